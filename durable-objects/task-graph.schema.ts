@@ -1,0 +1,68 @@
+/**
+ * The task graph's SQLite schema (one database per task). Writing the layout
+ * down once: see docs/storage.md.
+ */
+import { index, integer, real, sqliteTable, text } from "drizzle-orm/sqlite-core";
+
+/**
+ * Every node of the tool call graph. `kind` is `root` (one row, the empty
+ * state), `state` (the state after a state-changing call; its id is a path
+ * digest) or `result` (a stateless call's output, hung under the state it ran
+ * at). `seq` orders nodes for the paginated export.
+ */
+export const nodes = sqliteTable(
+	"nodes",
+	{
+		seq: integer("seq").primaryKey({ autoIncrement: true }),
+		id: text("id").notNull().unique(),
+		parentId: text("parent_id"),
+		kind: text("kind", { enum: ["root", "state", "result"] }).notNull(),
+		depth: integer("depth").notNull(),
+		tool: text("tool"),
+		/** The canonical JSON of the call's args. */
+		args: text("args"),
+		/** Inline output; null when it is in R2 at `outputKey`. */
+		output: text("output"),
+		outputKey: text("output_key"),
+		outputBytes: integer("output_bytes").notNull().default(0),
+		exitCode: integer("exit_code"),
+		execMs: real("exec_ms").notNull().default(0),
+		snapshotDriver: text("snapshot_driver"),
+		snapshotKey: text("snapshot_key"),
+		snapshotBytes: integer("snapshot_bytes"),
+		hits: integer("hits").notNull().default(0),
+		lastHitAt: integer("last_hit_at"),
+		createdAt: integer("created_at").notNull(),
+	},
+	(t) => [index("nodes_parent").on(t.parentId)],
+);
+
+/** Leases keep a node's snapshot from eviction until released or expired. */
+export const leases = sqliteTable(
+	"leases",
+	{
+		id: text("id").primaryKey(),
+		nodeId: text("node_id").notNull(),
+		expiresAt: integer("expires_at").notNull(),
+		/** Set when the alarm expires it; kept a while so a renewal can say why. */
+		expiredAt: integer("expired_at"),
+	},
+	(t) => [index("leases_expires").on(t.expiresAt), index("leases_node").on(t.nodeId)],
+);
+
+/** Per-tool counters; the totals are their sums. */
+export const toolStats = sqliteTable("tool_stats", {
+	tool: text("tool").primaryKey(),
+	lookups: integer("lookups").notNull().default(0),
+	hits: integer("hits").notNull().default(0),
+	misses: integer("misses").notNull().default(0),
+	savedMs: real("saved_ms").notNull().default(0),
+	records: integer("records").notNull().default(0),
+	conflicts: integer("conflicts").notNull().default(0),
+});
+
+/** Small facts about the task: its project and name, when it was created. */
+export const meta = sqliteTable("meta", {
+	key: text("key").primaryKey(),
+	value: text("value").notNull(),
+});

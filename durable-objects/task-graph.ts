@@ -1,0 +1,743 @@
+/**
+ * One task's tool call graph: a tree of states (path digests of
+ * state-changing calls) with stateless results hung under the state they ran
+ * at. SQLite (through drizzle) is the truth; an in-memory index of every node
+ * is rebuilt from it on start and answers prefix matches without a query.
+ *
+ * Each public method is one RPC use case. The Worker computes ids before
+ * calling (it needs them for its own cache), so methods take ids as given:
+ * both sides are server code built from the same `core/ids.ts`.
+ */
+import { DurableObject } from "cloudflare:workers";
+import { and, asc, eq, gt, isNotNull, isNull, lte, sql } from "drizzle-orm";
+import {
+	drizzle,
+	type DrizzleSqliteDODatabase,
+} from "drizzle-orm/durable-sqlite";
+import { migrate } from "drizzle-orm/durable-sqlite/migrator";
+import { createHash } from "node:crypto";
+import type {
+	GraphPage,
+	Lease,
+	Miss,
+	RecordResponse,
+	RecordResult,
+	ReplayCall,
+	SnapshotRef,
+	TaskStats,
+	ToolStats,
+} from "../core/api.ts";
+import { now } from "../core/clock.ts";
+import { ROOT_ID } from "../core/ids.ts";
+import { fail, ok, type Result } from "../core/result.ts";
+import migrations from "../migrations/task-graph/migrations.js";
+import * as schema from "./task-graph.schema.ts";
+import { leases, meta, nodes, toolStats } from "./task-graph.schema.ts";
+
+/** What the index keeps of a node: enough to match prefixes and find snapshots. */
+interface IndexNode {
+	parent: string | null;
+	depth: number;
+	kind: "root" | "state" | "result";
+	snapshot: boolean;
+}
+
+/** Which project and task this object holds; the Worker passes it on every call. */
+export interface Scope {
+	project: string;
+	task: string;
+}
+
+/** A call with the ids the Worker computed for it. */
+export interface KeyedCall {
+	tool: string;
+	args: unknown;
+	/** State after it (state-changing) or its result id (stateless). */
+	id: string;
+}
+
+export interface LookupInput {
+	call: KeyedCall & { mutates: boolean };
+	/** History mode: the history's state-changing calls, in order. */
+	path?: KeyedCall[];
+	/** Cursor mode: a state the rollout holds. */
+	cursor?: string;
+	lease: boolean;
+	leaseTtlMs: number;
+}
+
+/** A hit as the object returns it: a large output is left in R2 for the Worker. */
+export interface StoredHit {
+	status: "hit";
+	tier: "exact";
+	id: string;
+	state: string;
+	output: string | null;
+	outputKey: string | null;
+	exitCode: number;
+	execMs: number;
+}
+
+export interface RecordInput {
+	from: string;
+	calls: {
+		tool: string;
+		args: unknown;
+		mutates: boolean;
+		id: string;
+		output: string;
+		exitCode: number;
+		execMs: number;
+		snapshot?: SnapshotRef;
+	}[];
+	/** Outputs above this many UTF-8 bytes go to R2. */
+	inlineMaxBytes: number;
+}
+
+/** A hit served by a Worker from its own cache, counted here in batches. */
+export interface EdgeHit {
+	id: string;
+	tool: string;
+	execMs: number;
+}
+
+/** How long an expired lease is remembered, so a late renewal hears "expired". */
+const EXPIRED_LEASE_MEMORY_MS = 60 * 60 * 1000;
+/** How long after a change the task index in D1 is brought up to date. */
+const INDEX_FLUSH_DELAY_MS = 2000;
+
+export class TaskGraph extends DurableObject<Env> {
+	#db: DrizzleSqliteDODatabase<typeof schema>;
+	#index = new Map<string, IndexNode>();
+	#alarmAt: number | null = null;
+	#indexDirty = false;
+	#lastUsedAt = 0;
+
+	constructor(ctx: DurableObjectState, env: Env) {
+		super(ctx, env);
+		this.#db = drizzle(ctx.storage, { schema });
+		// If the migration or the rebuild throws, the runtime resets the object
+		// and the next request starts it again: a failed start does not wedge it.
+		ctx.blockConcurrencyWhile(async () => {
+			await migrate(this.#db, migrations);
+			this.#rebuild();
+			this.#alarmAt = await ctx.storage.getAlarm();
+		});
+	}
+
+	/**
+	 * Longest-prefix match of a rollout's path, then either the recorded
+	 * output (a hit) or what the rollout must do to execute the call (a miss):
+	 * where to resume, what to replay, and a lease on the snapshot.
+	 */
+	async lookup(scope: Scope, input: LookupInput): Promise<Result<StoredHit | Miss>> {
+		if (input.cursor !== undefined && !this.#index.has(input.cursor)) {
+			return fail(
+				409,
+				"stale_cursor",
+				"the cursor names a state this task does not hold; look up with the full history",
+			);
+		}
+		this.#remember(scope);
+		const at = now();
+		const tool = input.call.tool;
+		if (this.#index.has(input.call.id)) {
+			const row = this.#db
+				.select()
+				.from(nodes)
+				.where(eq(nodes.id, input.call.id))
+				.get()!;
+			this.#countHit(tool, row.id, row.execMs, at);
+			this.#touch();
+			return ok(this.#storedHit(row));
+		}
+
+		// The deepest held state of the path. Ids are path digests, so a held
+		// state implies its whole prefix is held.
+		let matched = ROOT_ID;
+		let matchedIndex = -1;
+		if (input.cursor !== undefined) {
+			matched = input.cursor;
+		} else {
+			const path = input.path ?? [];
+			for (let i = path.length - 1; i >= 0; i--) {
+				if (this.#index.has(path[i].id)) {
+					matched = path[i].id;
+					matchedIndex = i;
+					break;
+				}
+			}
+		}
+		const depth = this.#index.get(matched)!.depth;
+
+		let snapshotState: string | null = null;
+		for (let s: string | null = matched; s !== null; ) {
+			const n: IndexNode = this.#index.get(s)!;
+			if (n.snapshot) {
+				snapshotState = s;
+				break;
+			}
+			s = n.parent;
+		}
+		const resume = snapshotState ?? ROOT_ID;
+
+		// Replay: the held calls from the snapshot down to the matched state,
+		// then (history mode) the history's calls the graph has not seen.
+		const held = this.#pathCalls(resume, matched);
+		const replay: ReplayCall[] =
+			input.cursor !== undefined
+				? held
+				: [
+						...held,
+						...(input.path ?? [])
+							.slice(matchedIndex + 1)
+							.map(({ tool, args, id }) => ({ tool, args, id })),
+					];
+
+		let snapshot: Miss["snapshot"] = null;
+		let lease: Lease | null = null;
+		if (snapshotState !== null) {
+			const row = this.#db
+				.select()
+				.from(nodes)
+				.where(eq(nodes.id, snapshotState))
+				.get()!;
+			snapshot = {
+				state: snapshotState,
+				depth: row.depth,
+				driver: row.snapshotDriver!,
+				key: row.snapshotKey!,
+				bytes: row.snapshotBytes ?? 0,
+			};
+			if (input.lease) lease = this.#grantLease(snapshotState, input.leaseTtlMs, at);
+		}
+		this.#bumpTool(tool, { lookups: 1, misses: 1 });
+		this.#touch();
+		return ok({
+			status: "miss",
+			id: input.call.id,
+			state: matched,
+			depth,
+			snapshot,
+			resume,
+			replay,
+			lease,
+		});
+	}
+
+	/**
+	 * Records a run of executed calls starting at `from`. Idempotent: a call
+	 * already recorded with the same output is `exists`; with a different
+	 * output it is a `conflict`, the first record stands, and the tool is
+	 * flagged nondeterministic (invariant 3).
+	 */
+	async record(scope: Scope, input: RecordInput): Promise<Result<RecordResponse>> {
+		if (!this.#index.has(input.from)) {
+			return fail(
+				409,
+				"unknown_state",
+				"`from` is neither the root nor a state this task holds",
+			);
+		}
+		this.#remember(scope);
+
+		// Large outputs go to R2 first, content-addressed so that two records
+		// racing for one node cannot overwrite each other's blob. Awaiting R2
+		// lets other requests in, so everything below re-checks the index.
+		const blobKeys = new Map<number, string>();
+		const encoder = new TextEncoder();
+		for (const [i, c] of input.calls.entries()) {
+			if (this.#index.has(c.id)) continue;
+			const bytes = encoder.encode(c.output);
+			if (bytes.byteLength <= input.inlineMaxBytes) continue;
+			const digest = createHash("sha256").update(bytes).digest("hex");
+			const key = `outputs/${scope.project}/${scope.task}/${digest}`;
+			await this.env.BLOBS.put(key, bytes);
+			blobKeys.set(i, key);
+		}
+
+		const at = now();
+		const results: RecordResult[] = [];
+		let conflicts = 0;
+		let state = input.from;
+		this.ctx.storage.transactionSync(() => {
+			for (const [i, c] of input.calls.entries()) {
+				const parent = state;
+				const parentNode = this.#index.get(parent)!;
+				const existing = this.#index.get(c.id);
+				const toolDelta = { records: 1, conflicts: 0 };
+				if (existing) {
+					const same = this.#sameOutput(c.id, c.output, c.exitCode);
+					if (!same) {
+						conflicts++;
+						toolDelta.conflicts = 1;
+					}
+					results.push({ id: c.id, status: same ? "exists" : "conflict" });
+					if (c.snapshot && !existing.snapshot && existing.kind === "state") {
+						this.#attachSnapshot(c.id, c.snapshot);
+					}
+				} else {
+					const key = blobKeys.get(i) ?? null;
+					const bytes = encoder.encode(c.output).byteLength;
+					const kind = c.mutates ? "state" : "result";
+					const depth = c.mutates ? parentNode.depth + 1 : parentNode.depth;
+					this.#db
+						.insert(nodes)
+						.values({
+							id: c.id,
+							parentId: parent,
+							kind,
+							depth,
+							tool: c.tool,
+							args: JSON.stringify(c.args ?? null),
+							output: key === null ? c.output : null,
+							outputKey: key,
+							outputBytes: bytes,
+							exitCode: c.exitCode,
+							execMs: c.execMs,
+							snapshotDriver: c.snapshot?.driver ?? null,
+							snapshotKey: c.snapshot?.key ?? null,
+							snapshotBytes: c.snapshot?.bytes ?? null,
+							createdAt: at,
+						})
+						.run();
+					this.#index.set(c.id, {
+						parent,
+						depth,
+						kind,
+						snapshot: c.snapshot !== undefined,
+					});
+					results.push({ id: c.id, status: "recorded" });
+				}
+				this.#bumpTool(c.tool, toolDelta);
+				if (c.mutates) state = c.id;
+			}
+		});
+
+		// A blob whose node was recorded by a racing request in the meantime
+		// is not needed, unless another node has the same output.
+		for (const [i, key] of blobKeys) {
+			if (results[i].status === "recorded") continue;
+			const used = this.#db
+				.select({ seq: nodes.seq })
+				.from(nodes)
+				.where(eq(nodes.outputKey, key))
+				.get();
+			if (!used) await this.env.BLOBS.delete(key);
+		}
+		this.#touch();
+		return ok({ state, results, conflicts });
+	}
+
+	/** The recorded result with this id, counted as a hit; null if none. */
+	async result(
+		scope: Scope,
+		id: string,
+	): Promise<{ hit: StoredHit; tool: string } | null> {
+		const n = this.#index.get(id);
+		if (n === undefined || n.kind === "root") return null;
+		this.#remember(scope);
+		const row = this.#db.select().from(nodes).where(eq(nodes.id, id)).get()!;
+		this.#countHit(row.tool!, id, row.execMs, now());
+		this.#touch();
+		return { hit: this.#storedHit(row), tool: row.tool! };
+	}
+
+	/** Serves edge hits' bookkeeping: the Worker answered them from its cache. */
+	async countHits(scope: Scope, hits: EdgeHit[]): Promise<void> {
+		this.#remember(scope);
+		const at = now();
+		this.ctx.storage.transactionSync(() => {
+			for (const h of hits) {
+				if (this.#index.has(h.id)) this.#countHit(h.tool, h.id, h.execMs, at);
+			}
+		});
+		this.#touch();
+	}
+
+	/** Takes a lease on a state, keeping its snapshot from eviction until it ends. */
+	async acquireLease(scope: Scope, state: string, ttlMs: number): Promise<Result<Lease>> {
+		if (!this.#index.has(state)) {
+			return fail(404, "state_not_found", "this task holds no such state");
+		}
+		this.#remember(scope);
+		return ok(this.#grantLease(state, ttlMs, now()));
+	}
+
+	/** Extends a live lease by `ttlMs` from now. */
+	async renewLease(id: string, ttlMs: number): Promise<Result<Lease>> {
+		const live = this.#liveLease(id);
+		if (!live.ok) return live;
+		const expiresAt = now() + ttlMs;
+		this.#db.update(leases).set({ expiresAt }).where(eq(leases.id, id)).run();
+		this.#armAlarm(expiresAt);
+		return ok({ id, state: live.value.nodeId, expiresAt });
+	}
+
+	/** Ends a live lease. */
+	async releaseLease(id: string): Promise<Result<{ id: string; released: true }>> {
+		const live = this.#liveLease(id);
+		if (!live.ok) return live;
+		this.#db.delete(leases).where(eq(leases.id, id)).run();
+		return ok({ id, released: true });
+	}
+
+	/** Counters for the task and for each tool; null when nothing was ever recorded. */
+	async stats(scope: Scope): Promise<TaskStats | null> {
+		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
+		const tools: Record<string, ToolStats> = {};
+		const total = { lookups: 0, hits: 0, misses: 0, savedMs: 0, conflicts: 0 };
+		for (const t of this.#db.select().from(toolStats).all()) {
+			tools[t.tool] = {
+				lookups: t.lookups,
+				hits: t.hits,
+				misses: t.misses,
+				savedMs: t.savedMs,
+				records: t.records,
+				conflicts: t.conflicts,
+				nondeterministic: t.conflicts > 0,
+			};
+			total.lookups += t.lookups;
+			total.hits += t.hits;
+			total.misses += t.misses;
+			total.savedMs += t.savedMs;
+			total.conflicts += t.conflicts;
+		}
+		const agg = this.#db
+			.select({
+				nodes: sql<number>`count(*)`,
+				states: sql<number>`sum(${nodes.kind} = 'state')`,
+				results: sql<number>`sum(${nodes.kind} = 'result')`,
+				snapshots: sql<number>`count(${nodes.snapshotKey})`,
+				outputBytes: sql<number>`coalesce(sum(${nodes.outputBytes}), 0)`,
+				snapshotBytes: sql<number>`coalesce(sum(${nodes.snapshotBytes}), 0)`,
+			})
+			.from(nodes)
+			.get()!;
+		const live = this.#db
+			.select({ n: sql<number>`count(*)` })
+			.from(leases)
+			.where(and(isNull(leases.expiredAt), gt(leases.expiresAt, now())))
+			.get()!;
+		return {
+			task: scope.task,
+			lookups: total.lookups,
+			hits: total.hits,
+			misses: total.misses,
+			hitRate: total.lookups === 0 ? 0 : total.hits / total.lookups,
+			savedMs: total.savedMs,
+			nodes: agg.nodes,
+			states: agg.states ?? 0,
+			results: agg.results ?? 0,
+			snapshots: agg.snapshots,
+			outputBytes: agg.outputBytes,
+			snapshotBytes: agg.snapshotBytes,
+			leases: live.n,
+			conflicts: total.conflicts,
+			tools,
+		};
+	}
+
+	/** One page of the tree in creation order (parents before children). */
+	async graph(after: number, limit: number): Promise<GraphPage | null> {
+		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
+		const rows = this.#db
+			.select()
+			.from(nodes)
+			.where(gt(nodes.seq, after))
+			.orderBy(asc(nodes.seq))
+			.limit(limit + 1)
+			.all();
+		const page = rows.slice(0, limit);
+		return {
+			nodes: page.map((r) => ({
+				seq: r.seq,
+				id: r.id,
+				parent: r.parentId,
+				kind: r.kind,
+				depth: r.depth,
+				tool: r.tool,
+				args: r.args === null ? null : JSON.parse(r.args),
+				exitCode: r.exitCode,
+				execMs: r.execMs,
+				hits: r.hits,
+				outputBytes: r.outputBytes,
+				snapshot:
+					r.snapshotKey === null
+						? null
+						: {
+								driver: r.snapshotDriver!,
+								key: r.snapshotKey,
+								bytes: r.snapshotBytes ?? 0,
+							},
+				createdAt: r.createdAt,
+			})),
+			next: rows.length > limit ? page[page.length - 1].seq : null,
+		};
+	}
+
+	/** Whether the task holds a state (the snapshot routes ask before storing). */
+	async hasState(state: string): Promise<boolean> {
+		const n = this.#index.get(state);
+		return n !== undefined && n.kind !== "result";
+	}
+
+	/**
+	 * Expires due leases, forgets long-expired ones and brings the task index
+	 * in D1 up to date. Idempotent: running it twice leaves the same state.
+	 */
+	async alarm(): Promise<void> {
+		this.#alarmAt = null;
+		const at = now();
+		this.#expireLeases(at);
+		if (this.#indexDirty) await this.#flushIndex(at);
+
+		const next = this.#db
+			.select({
+				live: sql<number | null>`min(case when ${leases.expiredAt} is null then ${leases.expiresAt} end)`,
+				forget: sql<number | null>`min(${leases.expiredAt})`,
+			})
+			.from(leases)
+			.get()!;
+		const due = [
+			next.live,
+			next.forget === null ? null : next.forget + EXPIRED_LEASE_MEMORY_MS,
+			this.#indexDirty ? at + INDEX_FLUSH_DELAY_MS : null,
+		].filter((t): t is number => t !== null);
+		if (due.length > 0) this.#armAlarm(Math.min(...due));
+	}
+
+	/** The cron's per-task work: the same lease expiry the alarm does. */
+	async sweep(): Promise<void> {
+		this.#expireLeases(now());
+	}
+
+	// ------------------------------------------------------------ internals
+
+	#expireLeases(at: number): void {
+		this.#db
+			.update(leases)
+			.set({ expiredAt: at })
+			.where(and(isNull(leases.expiredAt), lte(leases.expiresAt, at)))
+			.run();
+		this.#db
+			.delete(leases)
+			.where(
+				and(
+					isNotNull(leases.expiredAt),
+					lte(leases.expiredAt, at - EXPIRED_LEASE_MEMORY_MS),
+				),
+			)
+			.run();
+	}
+
+	#rebuild(): void {
+		this.#index.clear();
+		const hasRoot = this.#db.select().from(nodes).where(eq(nodes.id, ROOT_ID)).get();
+		if (!hasRoot) {
+			this.#db
+				.insert(nodes)
+				.values({ id: ROOT_ID, parentId: null, kind: "root", depth: 0, createdAt: now() })
+				.run();
+		}
+		const rows = this.#db
+			.select({
+				id: nodes.id,
+				parent: nodes.parentId,
+				depth: nodes.depth,
+				kind: nodes.kind,
+				snapshotKey: nodes.snapshotKey,
+			})
+			.from(nodes)
+			.all();
+		for (const r of rows) {
+			this.#index.set(r.id, {
+				parent: r.parent,
+				depth: r.depth,
+				kind: r.kind,
+				snapshot: r.snapshotKey !== null,
+			});
+		}
+	}
+
+	/** The held state-changing calls strictly below `from`, down to `to`. */
+	#pathCalls(from: string, to: string): ReplayCall[] {
+		const ids: string[] = [];
+		for (let s: string | null = to; s !== null && s !== from; ) {
+			ids.push(s);
+			s = this.#index.get(s)!.parent;
+		}
+		ids.reverse();
+		return ids.map((id) => {
+			const r = this.#db
+				.select({ tool: nodes.tool, args: nodes.args })
+				.from(nodes)
+				.where(eq(nodes.id, id))
+				.get()!;
+			return { tool: r.tool!, args: JSON.parse(r.args ?? "null"), id };
+		});
+	}
+
+	#storedHit(row: typeof nodes.$inferSelect): StoredHit {
+		return {
+			status: "hit",
+			tier: "exact",
+			id: row.id,
+			state: row.kind === "result" ? row.parentId! : row.id,
+			output: row.output,
+			outputKey: row.outputKey,
+			exitCode: row.exitCode ?? 0,
+			execMs: row.execMs,
+		};
+	}
+
+	#sameOutput(id: string, output: string, exitCode: number): boolean {
+		const r = this.#db
+			.select({ output: nodes.output, outputKey: nodes.outputKey, exitCode: nodes.exitCode })
+			.from(nodes)
+			.where(eq(nodes.id, id))
+			.get()!;
+		if ((r.exitCode ?? 0) !== exitCode) return false;
+		if (r.outputKey !== null) {
+			const digest = createHash("sha256").update(output, "utf8").digest("hex");
+			return r.outputKey.endsWith(`/${digest}`);
+		}
+		return r.output === output;
+	}
+
+	#attachSnapshot(id: string, ref: SnapshotRef): void {
+		this.#db
+			.update(nodes)
+			.set({ snapshotDriver: ref.driver, snapshotKey: ref.key, snapshotBytes: ref.bytes })
+			.where(eq(nodes.id, id))
+			.run();
+		this.#index.get(id)!.snapshot = true;
+	}
+
+	#countHit(tool: string, id: string, execMs: number, at: number): void {
+		this.#db
+			.update(nodes)
+			.set({ hits: sql`${nodes.hits} + 1`, lastHitAt: at })
+			.where(eq(nodes.id, id))
+			.run();
+		this.#bumpTool(tool, { lookups: 1, hits: 1, savedMs: execMs });
+	}
+
+	#bumpTool(tool: string, d: Partial<Omit<ToolStats, "nondeterministic">>): void {
+		const v = {
+			tool,
+			lookups: d.lookups ?? 0,
+			hits: d.hits ?? 0,
+			misses: d.misses ?? 0,
+			savedMs: d.savedMs ?? 0,
+			records: d.records ?? 0,
+			conflicts: d.conflicts ?? 0,
+		};
+		this.#db
+			.insert(toolStats)
+			.values(v)
+			.onConflictDoUpdate({
+				target: toolStats.tool,
+				set: {
+					lookups: sql`${toolStats.lookups} + ${v.lookups}`,
+					hits: sql`${toolStats.hits} + ${v.hits}`,
+					misses: sql`${toolStats.misses} + ${v.misses}`,
+					savedMs: sql`${toolStats.savedMs} + ${v.savedMs}`,
+					records: sql`${toolStats.records} + ${v.records}`,
+					conflicts: sql`${toolStats.conflicts} + ${v.conflicts}`,
+				},
+			})
+			.run();
+	}
+
+	#grantLease(state: string, ttlMs: number, at: number): Lease {
+		const id = crypto.randomUUID();
+		const expiresAt = at + ttlMs;
+		this.#db.insert(leases).values({ id, nodeId: state, expiresAt }).run();
+		this.#armAlarm(expiresAt);
+		return { id, state, expiresAt };
+	}
+
+	#liveLease(id: string): Result<{ nodeId: string }> {
+		const row = this.#db.select().from(leases).where(eq(leases.id, id)).get();
+		if (!row) return fail(404, "lease_not_found", "no such lease");
+		if (row.expiredAt !== null || row.expiresAt <= now()) {
+			return fail(409, "lease_expired", "the lease expired; look up again for a new one");
+		}
+		return ok({ nodeId: row.nodeId });
+	}
+
+	#armAlarm(at: number): void {
+		if (this.#alarmAt !== null && this.#alarmAt <= at) return;
+		this.#alarmAt = at;
+		// Storage calls are ordered; there is nothing to wait for here.
+		void this.ctx.storage.setAlarm(at);
+	}
+
+	/** Marks the task index stale; the alarm writes it to D1 shortly. */
+	#touch(): void {
+		this.#lastUsedAt = now();
+		this.#indexDirty = true;
+		this.#armAlarm(now() + INDEX_FLUSH_DELAY_MS);
+	}
+
+	#remember(scope: Scope): void {
+		if (this.#scopeOf() !== null) return;
+		this.#db
+			.insert(meta)
+			.values([
+				{ key: "project", value: scope.project },
+				{ key: "task", value: scope.task },
+				{ key: "created_at", value: String(now()) },
+			])
+			.onConflictDoNothing()
+			.run();
+		this.#scope = scope;
+	}
+
+	#scope: Scope | null = null;
+	#scopeOf(): Scope | null {
+		if (this.#scope) return this.#scope;
+		const rows = this.#db.select().from(meta).all();
+		const m = Object.fromEntries(rows.map((r) => [r.key, r.value]));
+		if (m.project === undefined) return null;
+		this.#scope = { project: m.project, task: m.task };
+		return this.#scope;
+	}
+
+	async #flushIndex(at: number): Promise<void> {
+		const scope = this.#scopeOf();
+		if (scope === null) return;
+		const s = await this.stats(scope);
+		if (s === null) return;
+		const created = Number(
+			this.#db.select().from(meta).where(eq(meta.key, "created_at")).get()?.value ?? at,
+		);
+		// A change during the write below marks the index dirty again.
+		this.#indexDirty = false;
+		await this.env.DB.prepare(
+			`insert into tasks (project_id, task, created_at, last_used_at, nodes, snapshots, bytes, lookups, hits)
+			 values (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+			 on conflict (project_id, task) do update set
+			   last_used_at = excluded.last_used_at, nodes = excluded.nodes,
+			   snapshots = excluded.snapshots, bytes = excluded.bytes,
+			   lookups = excluded.lookups, hits = excluded.hits`,
+		)
+			.bind(
+				scope.project,
+				scope.task,
+				created,
+				this.#lastUsedAt || at,
+				s.nodes,
+				s.snapshots,
+				s.outputBytes + s.snapshotBytes,
+				s.lookups,
+				s.hits,
+			)
+			.run()
+			.catch((e: unknown) => {
+				this.#indexDirty = true;
+				throw e;
+			});
+	}
+}

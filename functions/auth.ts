@@ -1,0 +1,110 @@
+/**
+ * Bearer API keys. A key is 32 random bytes written as `trk_` + hex; D1
+ * stores only its SHA-256 (keys are high-entropy, so a fast hash is enough).
+ * The root admin key is the Worker secret TRELLIS_ADMIN_KEY: it creates
+ * projects and keys, and sees no task.
+ *
+ * Verified keys are remembered per isolate for a few seconds so that a hit
+ * does not wait on D1; revoking a key through this isolate forgets it at once.
+ */
+import { createHash, timingSafeEqual } from "node:crypto";
+import { createMiddleware } from "hono/factory";
+import { TaskName, type Role } from "../core/api.ts";
+import { now } from "../core/clock.ts";
+import type { AppEnv, Principal } from "./app.ts";
+import { apiError } from "./errors.ts";
+
+const KEY_CACHE_MS = 5000;
+const keyCache = new Map<string, { principal: Principal | null; until: number }>();
+
+export function hashKey(key: string): string {
+	return createHash("sha256").update(key, "utf8").digest("hex");
+}
+
+export function newKey(): string {
+	const bytes = new Uint8Array(32);
+	crypto.getRandomValues(bytes);
+	return `trk_${Buffer.from(bytes).toString("hex")}`;
+}
+
+export function forgetKey(hash: string): void {
+	keyCache.delete(hash);
+}
+
+function isRoot(key: string, secret: string | undefined): boolean {
+	if (!secret) return false;
+	const a = Buffer.from(hashKey(key), "hex");
+	const b = Buffer.from(hashKey(secret), "hex");
+	return timingSafeEqual(a, b);
+}
+
+async function resolve(env: Env, key: string): Promise<Principal | null> {
+	if (isRoot(key, env.TRELLIS_ADMIN_KEY)) return { kind: "root" };
+	const hash = hashKey(key);
+	const cached = keyCache.get(hash);
+	const t = now();
+	if (cached && cached.until > t) return cached.principal;
+	const row = await env.DB.prepare(
+		"select id, project_id, role from api_keys where hash = ?1 and revoked_at is null",
+	)
+		.bind(hash)
+		.first<{ id: string; project_id: string; role: Role }>();
+	const principal: Principal | null = row
+		? { kind: "key", keyId: row.id, project: row.project_id, role: row.role }
+		: null;
+	if (keyCache.size > 10_000) keyCache.clear();
+	keyCache.set(hash, { principal, until: t + KEY_CACHE_MS });
+	return principal;
+}
+
+/** Authenticates every request under it; 401 without a valid key. */
+export const authenticate = createMiddleware<AppEnv>(async (c, next) => {
+	const header = c.req.header("authorization") ?? "";
+	const m = /^Bearer\s+(\S+)\s*$/i.exec(header);
+	if (!m) {
+		throw apiError(401, "unauthorized", "send `Authorization: Bearer <key>`", {
+			"WWW-Authenticate": 'Bearer realm="trellis"',
+		});
+	}
+	const principal = await resolve(c.env, m[1]);
+	if (!principal) {
+		throw apiError(401, "unauthorized", "unknown or revoked key", {
+			"WWW-Authenticate": 'Bearer realm="trellis", error="invalid_token"',
+		});
+	}
+	c.set("principal", principal);
+	await next();
+});
+
+/**
+ * Lets through the roles named (a project admin may do anything in its
+ * project). The root key passes only where `root` is allowed.
+ */
+export function allow(roles: Role[], opts: { root?: boolean } = {}) {
+	return createMiddleware<AppEnv>(async (c, next) => {
+		const p = c.get("principal");
+		const allowed =
+			p.kind === "root" ? opts.root === true : p.role === "admin" || roles.includes(p.role);
+		if (!allowed) {
+			const who = p.kind === "root" ? "the root admin key" : `a ${p.role} key`;
+			throw apiError(403, "forbidden", `${who} may not ${c.req.method} ${c.req.path}`);
+		}
+		await next();
+	});
+}
+
+/** Puts the caller's scope and the task's Durable Object stub on `c.var`. */
+export const taskScope = createMiddleware<AppEnv>(async (c, next) => {
+	const p = c.get("principal");
+	if (p.kind !== "key") {
+		throw apiError(403, "forbidden", "the root admin key sees no task; use a project key");
+	}
+	const name = TaskName.safeParse(c.req.param("task"));
+	if (!name.success) {
+		throw apiError(400, "invalid_request", `task: ${name.error.issues[0].message}`);
+	}
+	const scope = { project: p.project, task: name.data };
+	c.set("scope", scope);
+	c.set("graph", c.env.TASK_GRAPH.get(c.env.TASK_GRAPH.idFromName(`${p.project}/${name.data}`)));
+	await next();
+});

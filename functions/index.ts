@@ -1,0 +1,34 @@
+/**
+ * The Trellis Worker: composes the v1 API, and re-exports the task graph
+ * Durable Object.
+ */
+import { Hono } from "hono";
+import type { AppEnv } from "./app.ts";
+import { authenticate } from "./auth.ts";
+import { notFound, onError } from "./errors.ts";
+import { keys } from "./keys.ts";
+import { projects } from "./projects.ts";
+import { sweep } from "./scheduled.ts";
+import { snapshots } from "./snapshots.ts";
+import { tasks } from "./tasks.ts";
+
+export { TaskGraph } from "../durable-objects/task-graph.ts";
+
+const app = new Hono<AppEnv>();
+
+// Unauthenticated and does nothing: the runtime's floor, for benchmarks and probes.
+app.get("/healthz", (c) => c.text("ok"));
+
+app.use("/v1/*", authenticate);
+app.route("/v1/projects", projects);
+app.route("/v1/keys", keys);
+app.route("/v1/tasks", tasks);
+app.route("/v1/tasks", snapshots);
+
+app.onError(onError);
+app.notFound(notFound);
+
+export default {
+	fetch: app.fetch,
+	scheduled: (controller, env, ctx) => ctx.waitUntil(sweep(env, controller.scheduledTime)),
+} satisfies ExportedHandler<Env>;

@@ -1,0 +1,261 @@
+/**
+ * The cache itself, per task: lookup, record, results by id, leases, stats
+ * and the graph export. The task graph Durable Object is named here, from the
+ * authenticated project and the task in the path, never from the client.
+ */
+import { Hono } from "hono";
+import {
+	GraphQuery,
+	Id,
+	LeaseRequest,
+	LIMITS,
+	LookupRequest,
+	RecordRequest,
+	RenewRequest,
+	TaskListQuery,
+	type Hit,
+	type LookupResponse,
+	type Miss,
+} from "../core/api.ts";
+import { callKey, childId, mutates, obsId, pathIds, finalState, ROOT_ID } from "../core/ids.ts";
+import type { Result } from "../core/result.ts";
+import type { StoredHit } from "../durable-objects/task-graph.ts";
+import type { AppEnv } from "./app.ts";
+import { allow, taskScope as task } from "./auth.ts";
+import {
+	cachedHit,
+	countEdgeHit,
+	rememberHit,
+	sendPending,
+	takePending,
+} from "./edge-cache.ts";
+import { apiError, unwrap } from "./errors.ts";
+import { jsonBody, valid } from "./validate.ts";
+
+export const tasks = new Hono<AppEnv>();
+
+const trainer = allow(["trainer"]);
+
+function leaseTtl(env: Env, ttlMs: number | undefined): number {
+	return Math.min(ttlMs ?? Number(env.LEASE_TTL_MS), Number(env.LEASE_MAX_TTL_MS));
+}
+
+/** A hit with its output, fetching a large one from R2. */
+async function materialize(env: Env, h: StoredHit): Promise<Hit> {
+	let output = h.output;
+	if (output === null) {
+		const blob = await env.BLOBS.get(h.outputKey!);
+		if (!blob) throw new Error(`output blob ${h.outputKey} is missing`);
+		output = await blob.text();
+	}
+	return {
+		status: "hit",
+		tier: "exact",
+		id: h.id,
+		state: h.state,
+		output,
+		exitCode: h.exitCode,
+		execMs: h.execMs,
+	};
+}
+
+function timing(start: number, parts: Record<string, number>): string {
+	const total = performance.now() - start;
+	return [
+		...Object.entries(parts).map(([k, v]) => `${k};dur=${v.toFixed(2)}`),
+		`total;dur=${total.toFixed(2)}`,
+	].join(", ");
+}
+
+tasks.get("/", allow(["trainer", "host"]), valid("query", TaskListQuery), async (c) => {
+	const p = c.get("principal");
+	if (p.kind !== "key") throw apiError(403, "forbidden", "the root admin key sees no task");
+	const { after, limit } = c.req.valid("query");
+	const { results } = await c.env.DB.prepare(
+		`select task, created_at, last_used_at, nodes, snapshots, bytes, lookups, hits
+		 from tasks where project_id = ?1 and task > ?2 order by task limit ?3`,
+	)
+		.bind(p.project, after ?? "", limit + 1)
+		.all<Record<string, number | string>>();
+	const page = results.slice(0, limit);
+	return c.json({
+		tasks: page.map((r) => ({
+			task: r.task,
+			createdAt: r.created_at,
+			lastUsedAt: r.last_used_at,
+			nodes: r.nodes,
+			snapshots: r.snapshots,
+			bytes: r.bytes,
+			lookups: r.lookups,
+			hits: r.hits,
+		})),
+		next: results.length > limit ? page[page.length - 1].task : null,
+	});
+});
+
+tasks.post(
+	"/:task/lookup",
+	task,
+	trainer,
+	jsonBody(LIMITS.lookupBody),
+	valid("json", LookupRequest),
+	async (c) => {
+		const start = performance.now();
+		const req = c.req.valid("json");
+		const scope = c.get("scope");
+		const call = { tool: req.call.tool, args: req.call.args ?? null, mutates: mutates(req.call) };
+		const key = callKey(call);
+
+		// The state the call runs at, and its result id, from the client's view.
+		let state: string;
+		let path: { tool: string; args: unknown; id: string }[] | undefined;
+		if (req.cursor !== undefined) {
+			state = req.cursor;
+		} else {
+			const steps = pathIds(req.history!);
+			path = [];
+			for (const [i, s] of steps.entries()) {
+				if (!s.mutates) continue;
+				const h = req.history![i];
+				path.push({ tool: h.tool, args: h.args ?? null, id: s.id });
+			}
+			state = path.length > 0 ? path[path.length - 1].id : ROOT_ID;
+		}
+		const id = call.mutates ? childId(state, key) : obsId(state, key);
+
+		const edge = cachedHit(c.env, scope, id);
+		if (edge) {
+			const batch = countEdgeHit(scope, { id, tool: edge.tool, execMs: edge.hit.execMs });
+			if (batch) c.executionCtx.waitUntil(sendPending(c.get("graph"), batch));
+			c.header("Server-Timing", timing(start, { edge: performance.now() - start }));
+			return c.json(edge.hit satisfies LookupResponse);
+		}
+
+		const t0 = performance.now();
+		// RPC's serializable-type mapping erases `args: unknown`; the shape is the method's.
+		const r = unwrap(
+			(await c.get("graph").lookup(scope, {
+				call: { ...call, id },
+				path,
+				cursor: req.cursor,
+				lease: req.lease ?? true,
+				leaseTtlMs: leaseTtl(c.env, req.leaseTtlMs),
+			})) as Result<StoredHit | Miss>,
+		);
+		const graphMs = performance.now() - t0;
+		let body: LookupResponse;
+		if (r.status === "hit") {
+			body = await materialize(c.env, r);
+			rememberHit(c.env, scope, call.tool, body);
+		} else {
+			body = r;
+		}
+		c.header("Server-Timing", timing(start, { graph: graphMs }));
+		return c.json(body);
+	},
+);
+
+tasks.get("/:task/results/:id", task, trainer, async (c) => {
+	const id = Id.safeParse(c.req.param("id"));
+	if (!id.success) throw apiError(400, "invalid_request", "id: must be 64 lowercase hex digits");
+	const scope = c.get("scope");
+	const edge = cachedHit(c.env, scope, id.data);
+	if (edge) {
+		const batch = countEdgeHit(scope, { id: id.data, tool: edge.tool, execMs: edge.hit.execMs });
+		if (batch) c.executionCtx.waitUntil(sendPending(c.get("graph"), batch));
+		return c.json(edge.hit);
+	}
+	const r = await c.get("graph").result(scope, id.data);
+	if (r === null) throw apiError(404, "not_found", "no result with this id is recorded");
+	const hit = await materialize(c.env, r.hit);
+	rememberHit(c.env, scope, r.tool, hit);
+	return c.json(hit);
+});
+
+tasks.post(
+	"/:task/record",
+	task,
+	trainer,
+	jsonBody(LIMITS.recordBody),
+	valid("json", RecordRequest),
+	async (c) => {
+		const req = c.req.valid("json");
+		const maxOutput = Number(c.env.OUTPUT_MAX_BYTES);
+		const encoder = new TextEncoder();
+		for (const [i, call] of req.calls.entries()) {
+			// Strings are at most 3 UTF-8 bytes a code unit; only measure when close.
+			if (call.output.length * 3 > maxOutput && encoder.encode(call.output).byteLength > maxOutput) {
+				throw apiError(413, "output_too_large", `calls.${i}.output is larger than ${maxOutput} bytes`);
+			}
+		}
+		const steps = pathIds(req.calls, req.from);
+		const r = unwrap(
+			await c.get("graph").record(c.get("scope"), {
+				from: req.from,
+				calls: req.calls.map((call, i) => ({
+					tool: call.tool,
+					args: call.args ?? null,
+					mutates: steps[i].mutates,
+					id: steps[i].id,
+					output: call.output,
+					exitCode: call.exitCode,
+					execMs: call.execMs,
+					snapshot: call.snapshot,
+				})),
+				inlineMaxBytes: Number(c.env.OUTPUT_INLINE_MAX_BYTES),
+			}),
+		);
+		// The graph computes the final state the same way; say so if it ever does not.
+		if (r.state !== finalState(req.calls, req.from)) throw new Error("final state mismatch");
+		return c.json(r);
+	},
+);
+
+tasks.post(
+	"/:task/leases",
+	task,
+	trainer,
+	jsonBody(LIMITS.adminBody),
+	valid("json", LeaseRequest),
+	async (c) => {
+		const { state, ttlMs } = c.req.valid("json");
+		const lease = unwrap(
+			await c.get("graph").acquireLease(c.get("scope"), state, leaseTtl(c.env, ttlMs)),
+		);
+		return c.json(lease, 201);
+	},
+);
+
+tasks.post(
+	"/:task/leases/:lease/renew",
+	task,
+	trainer,
+	jsonBody(LIMITS.adminBody),
+	valid("json", RenewRequest),
+	async (c) => {
+		const { ttlMs } = c.req.valid("json");
+		const lease = unwrap(
+			await c.get("graph").renewLease(c.req.param("lease"), leaseTtl(c.env, ttlMs)),
+		);
+		return c.json(lease);
+	},
+);
+
+tasks.delete("/:task/leases/:lease", task, trainer, async (c) => {
+	return c.json(unwrap(await c.get("graph").releaseLease(c.req.param("lease"))));
+});
+
+tasks.get("/:task/stats", task, allow(["trainer", "host"]), async (c) => {
+	const scope = c.get("scope");
+	await sendPending(c.get("graph"), takePending(scope));
+	const stats = await c.get("graph").stats(scope);
+	if (stats === null) throw apiError(404, "task_not_found", "this task has nothing recorded");
+	return c.json(stats);
+});
+
+tasks.get("/:task/graph", task, allow(["trainer", "host"]), valid("query", GraphQuery), async (c) => {
+	const { after, limit } = c.req.valid("query");
+	const page = await c.get("graph").graph(after ?? 0, limit);
+	if (page === null) throw apiError(404, "task_not_found", "this task has nothing recorded");
+	return c.json(page);
+});
