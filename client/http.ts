@@ -1,0 +1,525 @@
+/**
+ * The v1 HTTP API as a typed TypeScript client: one method per route, JSON
+ * in and out, typed errors, and retries of the calls that are safe to repeat.
+ * Request and response types come from `core/api.ts`, so the client and the
+ * Worker cannot drift apart.
+ */
+import type {
+	ErrorBody,
+	GraphPage,
+	Hit,
+	Lease,
+	LookupRequest,
+	LookupResponse,
+	RecordedCall,
+	RecordRequest,
+	RecordResponse,
+	Role,
+	SnapshotRef,
+	TaskStats,
+} from "../core/api.ts";
+import type { Call } from "../core/ids.ts";
+
+/**
+ * A lookup as the client takes it: `core/api.ts`'s request, with `args` any
+ * value (it must still be JSON; the server says so with a 400).
+ */
+export type LookupInput = Omit<LookupRequest, "call" | "history"> & {
+	call: Call;
+	history?: readonly Call[];
+};
+
+/** A record as the client takes it; see {@link LookupInput}. */
+export type RecordInput = Omit<RecordRequest, "calls"> & {
+	calls: readonly (Omit<RecordedCall, "args"> & { args?: unknown })[];
+};
+
+/** Options of a {@link TrellisClient}. */
+export interface TrellisClientOptions {
+	/** The Worker's origin, e.g. `http://127.0.0.1:8787`. */
+	url: string;
+	/** An API key; sent as `Authorization: Bearer <key>`. */
+	key: string;
+	/** A `fetch` to use instead of the global one (a proxy agent, a tracer). */
+	fetch?: typeof fetch;
+	/** Extra attempts for a retryable failure (default 3; 0 turns retries off). */
+	retries?: number;
+	/** Delay before the first retry in ms, doubled on each retry (default 100). */
+	backoffMs?: number;
+	/** The longest single wait between attempts, `Retry-After` included (default 10 s). */
+	maxBackoffMs?: number;
+	/** Per-attempt time limit of JSON calls in ms (default 30 s; 0: none). */
+	timeoutMs?: number;
+}
+
+/**
+ * Any failure of a client call: an error response of the API, a network
+ * failure (`status` 0, code `network_error`) or a timeout (`status` 0, code
+ * `timeout`).
+ */
+export class TrellisError extends Error {
+	override readonly name = "TrellisError";
+	/** The HTTP status, or 0 when no response arrived. */
+	readonly status: number;
+	/** The API's error code (`unauthorized`, `stale_cursor`, ...). */
+	readonly code: string;
+	/** Extra detail the server attached, if any. */
+	readonly details: unknown;
+	/** Whether trying again later may succeed: 429, 5xx and network failures. */
+	readonly retryable: boolean;
+	/** Seconds the server asked us to wait (`Retry-After`), if it said. */
+	readonly retryAfterMs: number | undefined;
+
+	constructor(init: {
+		status: number;
+		code: string;
+		message: string;
+		details?: unknown;
+		retryAfterMs?: number;
+		cause?: unknown;
+	}) {
+		super(init.message, { cause: init.cause });
+		this.status = init.status;
+		this.code = init.code;
+		this.details = init.details;
+		this.retryAfterMs = init.retryAfterMs;
+		this.retryable =
+			init.status === 0 || init.status === 429 || init.status >= 500;
+	}
+}
+
+/** A project, as `POST /v1/projects` returns it. */
+export interface Project {
+	id: string;
+	name: string;
+}
+
+/** An API key as created: `key` is the secret, shown only this once. */
+export interface CreatedKey {
+	id: string;
+	key: string;
+	project: string;
+	role: Role;
+	name: string | null;
+}
+
+/** An API key as listed: never with its secret. */
+export interface KeyInfo {
+	id: string;
+	project: string;
+	role: Role;
+	name?: string | null;
+	[field: string]: unknown;
+}
+
+/** One task of `GET /v1/tasks`; the server may add fields. */
+export interface TaskInfo {
+	name: string;
+	[field: string]: unknown;
+}
+
+/** A page of `GET /v1/tasks`. */
+export interface TaskPage {
+	tasks: TaskInfo[];
+	/** Pass as `after` for the next page; null on the last. */
+	next: string | null;
+}
+
+/**
+ * How a call may be repeated after a failure. Every call may be repeated
+ * after a 429, since the server refused it before doing anything; only an
+ * idempotent call may be repeated after a 5xx or a lost connection, where
+ * the first attempt may have taken effect.
+ */
+type RetryPolicy = "idempotent" | "rate-limit-only";
+
+interface RequestSpec {
+	method: "GET" | "POST" | "PUT" | "DELETE";
+	path: string;
+	query?: Record<string, string | number | undefined>;
+	json?: unknown;
+	body?: Uint8Array | ReadableStream<Uint8Array>;
+	auth?: boolean;
+	retry: RetryPolicy;
+	timeout?: boolean;
+}
+
+function enc(segment: string): string {
+	return encodeURIComponent(segment);
+}
+
+/** Parses `Retry-After` (delta seconds or an HTTP date) into milliseconds. */
+function parseRetryAfter(value: string | null): number | undefined {
+	if (value === null || value.trim() === "") return undefined;
+	const seconds = Number(value);
+	if (Number.isFinite(seconds)) return Math.max(0, seconds * 1000);
+	const date = Date.parse(value);
+	return Number.isNaN(date) ? undefined : Math.max(0, date - Date.now());
+}
+
+function sleep(ms: number): Promise<void> {
+	return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/**
+ * A client of one Trellis deployment with one API key.
+ *
+ * ```ts
+ * const trellis = new TrellisClient({ url, key });
+ * const res = await trellis.lookup("swe-123", { call, history });
+ * ```
+ */
+export class TrellisClient {
+	readonly url: string;
+	readonly #key: string;
+	readonly #fetch: typeof fetch;
+	readonly #retries: number;
+	readonly #backoffMs: number;
+	readonly #maxBackoffMs: number;
+	readonly #timeoutMs: number;
+
+	constructor(options: TrellisClientOptions) {
+		this.url = options.url.replace(/\/+$/, "");
+		this.#key = options.key;
+		this.#fetch = options.fetch ?? globalThis.fetch.bind(globalThis);
+		this.#retries = options.retries ?? 3;
+		this.#backoffMs = options.backoffMs ?? 100;
+		this.#maxBackoffMs = options.maxBackoffMs ?? 10_000;
+		this.#timeoutMs = options.timeoutMs ?? 30_000;
+	}
+
+	/** A client of the same deployment with another key. */
+	withKey(key: string): TrellisClient {
+		return new TrellisClient({
+			url: this.url,
+			key,
+			fetch: this.#fetch,
+			retries: this.#retries,
+			backoffMs: this.#backoffMs,
+			maxBackoffMs: this.#maxBackoffMs,
+			timeoutMs: this.#timeoutMs,
+		});
+	}
+
+	// ------------------------------------------------------------ service
+
+	/** `GET /healthz`: resolves when the Worker answers `ok`; needs no key. */
+	async health(): Promise<void> {
+		await this.#request({
+			method: "GET",
+			path: "/healthz",
+			auth: false,
+			retry: "idempotent",
+		});
+	}
+
+	// ------------------------------------------------------- admin routes
+
+	/** `POST /v1/projects` (root admin key only): creates a project. */
+	createProject(name: string): Promise<Project> {
+		return this.#json({
+			method: "POST",
+			path: "/v1/projects",
+			json: { name },
+			retry: "rate-limit-only",
+		});
+	}
+
+	/**
+	 * `POST /v1/keys` (admin): creates a key. The secret is in the answer
+	 * only; the server keeps a hash.
+	 */
+	createKey(request: {
+		role: Role;
+		project?: string;
+		name?: string;
+	}): Promise<CreatedKey> {
+		return this.#json({
+			method: "POST",
+			path: "/v1/keys",
+			json: request,
+			retry: "rate-limit-only",
+		});
+	}
+
+	/** `GET /v1/keys` (admin): the keys of the caller's project. */
+	async listKeys(): Promise<KeyInfo[]> {
+		const body = await this.#json<{ keys: KeyInfo[] } | KeyInfo[]>({
+			method: "GET",
+			path: "/v1/keys",
+			retry: "idempotent",
+		});
+		return Array.isArray(body) ? body : body.keys;
+	}
+
+	/** `DELETE /v1/keys/:id` (admin): revokes a key. */
+	deleteKey(id: string): Promise<unknown> {
+		return this.#json({
+			method: "DELETE",
+			path: `/v1/keys/${enc(id)}`,
+			retry: "idempotent",
+		});
+	}
+
+	/** `GET /v1/tasks`: one page of the project's tasks, by name. */
+	listTasks(query: { after?: string; limit?: number } = {}): Promise<TaskPage> {
+		return this.#json({
+			method: "GET",
+			path: "/v1/tasks",
+			query,
+			retry: "idempotent",
+		});
+	}
+
+	// -------------------------------------------------------- task routes
+
+	/**
+	 * `POST /v1/tasks/:task/lookup`: a hit with the recorded output, or a
+	 * miss that says where to resume and what to replay. Give either the
+	 * rollout's `history` (every call before `call`) or a `cursor` the graph
+	 * holds; a cursor it no longer holds fails with 409 `stale_cursor`.
+	 *
+	 * Retried after a 5xx or a lost connection although a miss may take a
+	 * lease: a lease whose answer was lost only lives until its TTL.
+	 */
+	lookup(task: string, request: LookupInput): Promise<LookupResponse> {
+		return this.#json({
+			method: "POST",
+			path: `/v1/tasks/${enc(task)}/lookup`,
+			json: request,
+			retry: "idempotent",
+		});
+	}
+
+	/** `GET /v1/tasks/:task/results/:id`: a recorded result by its id. */
+	result(task: string, id: string): Promise<Hit> {
+		return this.#json({
+			method: "GET",
+			path: `/v1/tasks/${enc(task)}/results/${enc(id)}`,
+			retry: "idempotent",
+		});
+	}
+
+	/**
+	 * `POST /v1/tasks/:task/record`: records a run of calls executed from
+	 * `from` (the root or a state the graph holds). Idempotent: the first
+	 * output recorded for a call stands, later ones come back as conflicts.
+	 */
+	record(task: string, request: RecordInput): Promise<RecordResponse> {
+		return this.#json({
+			method: "POST",
+			path: `/v1/tasks/${enc(task)}/record`,
+			json: request,
+			retry: "idempotent",
+		});
+	}
+
+	/** `POST /v1/tasks/:task/leases`: protects a state's snapshot from eviction. */
+	createLease(
+		task: string,
+		request: { state: string; ttlMs?: number },
+	): Promise<Lease> {
+		// Not idempotent: a repeat after a lost answer would hold a second lease.
+		return this.#json({
+			method: "POST",
+			path: `/v1/tasks/${enc(task)}/leases`,
+			json: request,
+			retry: "rate-limit-only",
+		});
+	}
+
+	/** `POST /v1/tasks/:task/leases/:id/renew`: extends a lease before it expires. */
+	renewLease(task: string, id: string, ttlMs?: number): Promise<Lease> {
+		return this.#json({
+			method: "POST",
+			path: `/v1/tasks/${enc(task)}/leases/${enc(id)}/renew`,
+			json: ttlMs === undefined ? {} : { ttlMs },
+			retry: "idempotent",
+		});
+	}
+
+	/** `DELETE /v1/tasks/:task/leases/:id`: releases a lease. */
+	releaseLease(
+		task: string,
+		id: string,
+	): Promise<{ id: string; released: true }> {
+		return this.#json({
+			method: "DELETE",
+			path: `/v1/tasks/${enc(task)}/leases/${enc(id)}`,
+			retry: "idempotent",
+		});
+	}
+
+	/** `GET /v1/tasks/:task/stats`: hit rates, sizes and per-tool counters. */
+	stats(task: string): Promise<TaskStats> {
+		return this.#json({
+			method: "GET",
+			path: `/v1/tasks/${enc(task)}/stats`,
+			retry: "idempotent",
+		});
+	}
+
+	/** `GET /v1/tasks/:task/graph`: one page of the task's nodes, in insertion order. */
+	graph(
+		task: string,
+		query: { after?: number; limit?: number } = {},
+	): Promise<GraphPage> {
+		return this.#json({
+			method: "GET",
+			path: `/v1/tasks/${enc(task)}/graph`,
+			query,
+			retry: "idempotent",
+		});
+	}
+
+	/**
+	 * `PUT /v1/tasks/:task/snapshots/:state`: uploads a snapshot blob of
+	 * `state` for `driver` and returns the ref to record with the call. A
+	 * byte array is retried like any idempotent call; a stream can be sent
+	 * only once, so it is not.
+	 */
+	putSnapshot(
+		task: string,
+		state: string,
+		body: Uint8Array | ReadableStream<Uint8Array>,
+		driver: string,
+	): Promise<SnapshotRef> {
+		return this.#json({
+			method: "PUT",
+			path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
+			query: { driver },
+			body,
+			retry: body instanceof Uint8Array ? "idempotent" : "rate-limit-only",
+			timeout: false,
+		});
+	}
+
+	/** `GET /v1/tasks/:task/snapshots/:state`: the snapshot blob of a state. */
+	async getSnapshot(task: string, state: string): Promise<Uint8Array> {
+		const res = await this.#request({
+			method: "GET",
+			path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
+			retry: "idempotent",
+			timeout: false,
+		});
+		return new Uint8Array(await res.arrayBuffer());
+	}
+
+	// ----------------------------------------------------------- plumbing
+
+	async #json<T>(spec: RequestSpec): Promise<T> {
+		const res = await this.#request(spec);
+		const text = await res.text();
+		try {
+			return JSON.parse(text) as T;
+		} catch (cause) {
+			throw new TrellisError({
+				status: res.status,
+				code: "bad_response",
+				message: `expected JSON from ${spec.method} ${spec.path}, got: ${text.slice(0, 200)}`,
+				cause,
+			});
+		}
+	}
+
+	/** One call with its retries; resolves only to a 2xx response. */
+	async #request(spec: RequestSpec): Promise<Response> {
+		for (let attempt = 0; ; attempt++) {
+			try {
+				return await this.#attempt(spec);
+			} catch (err) {
+				if (!(err instanceof TrellisError)) throw err;
+				const again =
+					attempt < this.#retries &&
+					err.retryable &&
+					(spec.retry === "idempotent" || err.status === 429) &&
+					!(spec.body instanceof ReadableStream);
+				if (!again) throw err;
+				await sleep(this.#delay(attempt, err.retryAfterMs));
+			}
+		}
+	}
+
+	/** Exponential backoff with full jitter, or what `Retry-After` asks. */
+	#delay(attempt: number, retryAfterMs: number | undefined): number {
+		if (retryAfterMs !== undefined)
+			return Math.min(retryAfterMs, this.#maxBackoffMs);
+		const ceiling = Math.min(this.#backoffMs * 2 ** attempt, this.#maxBackoffMs);
+		return Math.random() * ceiling;
+	}
+
+	async #attempt(spec: RequestSpec): Promise<Response> {
+		const url = new URL(this.url + spec.path);
+		for (const [k, v] of Object.entries(spec.query ?? {}))
+			if (v !== undefined) url.searchParams.set(k, String(v));
+		const headers: Record<string, string> = {};
+		if (spec.auth !== false) headers.authorization = `Bearer ${this.#key}`;
+		let body: RequestInit["body"];
+		if (spec.json !== undefined) {
+			headers["content-type"] = "application/json";
+			body = JSON.stringify(spec.json);
+		} else if (spec.body !== undefined) {
+			headers["content-type"] = "application/octet-stream";
+			body = spec.body as RequestInit["body"];
+		}
+		const signal =
+			spec.timeout !== false && this.#timeoutMs > 0
+				? AbortSignal.timeout(this.#timeoutMs)
+				: undefined;
+		let res: Response;
+		try {
+			res = await this.#fetch(url, {
+				method: spec.method,
+				headers,
+				body,
+				signal,
+				// Node's fetch sends a stream body only in half-duplex mode.
+				...(spec.body instanceof ReadableStream ? { duplex: "half" } : {}),
+			} as RequestInit);
+		} catch (cause) {
+			const timedOut =
+				cause instanceof Error && cause.name === "TimeoutError";
+			throw new TrellisError({
+				status: 0,
+				code: timedOut ? "timeout" : "network_error",
+				message: `${spec.method} ${url.pathname}: ${
+					timedOut ? "timed out" : describe(cause)
+				}`,
+				cause,
+			});
+		}
+		if (res.ok) return res;
+		throw await errorFrom(res, spec);
+	}
+}
+
+function describe(err: unknown): string {
+	if (!(err instanceof Error)) return String(err);
+	const cause = err.cause instanceof Error ? `: ${err.cause.message}` : "";
+	return `${err.message}${cause}`;
+}
+
+/** The typed error of a non-2xx response, from its JSON body when it has one. */
+async function errorFrom(res: Response, spec: RequestSpec): Promise<TrellisError> {
+	const text = await res.text().catch(() => "");
+	let code = `http_${res.status}`;
+	let message = text.slice(0, 500) || res.statusText;
+	let details: unknown;
+	try {
+		const body = JSON.parse(text) as Partial<ErrorBody>;
+		if (body.error && typeof body.error.code === "string") {
+			code = body.error.code;
+			message = body.error.message ?? message;
+			details = body.error.details;
+		}
+	} catch {
+		// Not JSON (a proxy's error page, say): keep the status-derived code.
+	}
+	return new TrellisError({
+		status: res.status,
+		code,
+		message: `${spec.method} ${spec.path}: ${message}`,
+		details,
+		retryAfterMs: parseRetryAfter(res.headers.get("retry-after")),
+	});
+}
