@@ -1,5 +1,10 @@
-import { cloudflareTest } from "@cloudflare/vitest-pool-workers";
+import {
+	cloudflareTest,
+	readD1Migrations,
+} from "@cloudflare/vitest-pool-workers";
 import { defineConfig } from "vitest/config";
+
+const d1Migrations = await readD1Migrations("./migrations/d1");
 
 // Two projects: the Worker and its Durable Objects run inside workerd through
 // the Workers pool; the clients, the local stack and the sandboxes run in Node
@@ -12,7 +17,13 @@ export default defineConfig({
 					cloudflareTest({
 						wrangler: { configPath: "./wrangler.toml" },
 						miniflare: {
-							bindings: { TRELLIS_ADMIN_KEY: "test-root-admin-key" },
+							bindings: {
+								TRELLIS_ADMIN_KEY: "test-root-admin-key",
+								TEST_D1_MIGRATIONS: d1Migrations,
+								// Small, so tests can push outputs into R2 cheaply.
+								OUTPUT_INLINE_MAX_BYTES: "1024",
+								OUTPUT_MAX_BYTES: "262144",
+							},
 						},
 					}),
 				],
