@@ -1,0 +1,823 @@
+/**
+ * The lookup benchmark (`npm run bench`): how fast Trellis answers exact hits,
+ * measured against the runtime's own floor on the same machine.
+ *
+ * 1. Starts a local stack (or targets `--url`/`--key`), and records `--paths`
+ *    distinct three-call paths into one fresh task.
+ * 2. For each rate, in this order so that all three see the same machine:
+ *    - floor: `GET /healthz`, an unauthenticated route that does nothing;
+ *    - hit (history): `POST lookup {history, call}` of a random recorded path;
+ *    - hit (cursor):  `POST lookup {cursor, call}` of a random recorded path;
+ *    each open loop (see loadgen.ts), with a warm-up that is not recorded. A
+ *    lookup that is not the recorded hit (a miss, another id, another
+ *    output) is an error.
+ * 3. Miss + record: one at a time at a modest rate, a lookup of a call never
+ *    seen under a recorded prefix (a miss) followed by its record; the pair's
+ *    latency. Two sequential `/healthz` at the same pace give its floor.
+ * 4. Prints a table with PASS/FAIL against the targets, writes the figures to
+ *    bench/results/lookup.json and a chart to docs/benchmarks-lookup.svg.
+ *
+ * Flags: --rates 256,512 --duration 10 --warmup 2 --paths 8192 --quick
+ *        --url URL --key KEY (a trainer key) --no-cursor --out FILE
+ *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
+ */
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { cpus, tmpdir, totalmem, type } from "node:os";
+import { dirname, join } from "node:path";
+import { execFileSync } from "node:child_process";
+import { performance } from "node:perf_hooks";
+import { parseArgs } from "node:util";
+import { Pool } from "undici";
+import type { Call, RecordedCall } from "../core/api.ts";
+import { callKey, childId, pathIds, ROOT_ID } from "../core/ids.ts";
+import {
+	ms,
+	newHistogram,
+	recordMs,
+	runLoad,
+	startProgress,
+	summarize,
+	type IncomingHeaders,
+	type LatencySummary,
+	type LoadResult,
+	type RequestSpec,
+} from "./loadgen.ts";
+import { renderChart } from "./chart.ts";
+
+// ---------------------------------------------------------------- options
+
+const { values: flags } = parseArgs({
+	options: {
+		rates: { type: "string" },
+		duration: { type: "string" },
+		warmup: { type: "string" },
+		paths: { type: "string" },
+		quick: { type: "boolean", default: false },
+		url: { type: "string" },
+		key: { type: "string" },
+		"no-cursor": { type: "boolean", default: false },
+		out: { type: "string" },
+		chart: { type: "string" },
+		"miss-pairs": { type: "string" },
+		"miss-rate": { type: "string" },
+		connections: { type: "string" },
+		"output-bytes": { type: "string" },
+		seed: { type: "string" },
+	},
+	strict: true,
+});
+
+function num(v: string | undefined, fallback: number, name: string): number {
+	if (v === undefined) return fallback;
+	const n = Number(v);
+	if (!Number.isFinite(n) || n <= 0) throw new Error(`--${name}: ${v}?`);
+	return n;
+}
+
+const quick = flags.quick;
+const opts = {
+	rates: (flags.rates ?? (quick ? "256,1024" : "256,512,1024,2048,4096"))
+		.split(",")
+		.map((r) => num(r.trim(), 0, "rates")),
+	durationMs: num(flags.duration, quick ? 2 : 10, "duration") * 1000,
+	warmupMs: num(flags.warmup, quick ? 0.5 : 2, "warmup") * 1000,
+	paths: Math.floor(num(flags.paths, quick ? 256 : 8192, "paths")),
+	cursor: !flags["no-cursor"],
+	missPairs: Math.floor(
+		num(flags["miss-pairs"], quick ? 50 : 500, "miss-pairs"),
+	),
+	missRate: num(flags["miss-rate"], 50, "miss-rate"),
+	connections: flags.connections
+		? Math.floor(num(flags.connections, 0, "connections"))
+		: undefined,
+	outputBytes: Math.floor(num(flags["output-bytes"], 512, "output-bytes")),
+	seed: Math.floor(num(flags.seed, 1, "seed")),
+	// A smoke run must not overwrite the committed figures; *.tmp is ignored.
+	out:
+		flags.out ??
+		(quick
+			? "bench/results/lookup-quick.json.tmp"
+			: "bench/results/lookup.json"),
+	chart:
+		flags.chart ??
+		(quick
+			? "bench/results/lookup-quick.svg.tmp"
+			: "docs/benchmarks-lookup.svg"),
+};
+if ((flags.url === undefined) !== (flags.key === undefined)) {
+	throw new Error("give both --url and --key (a trainer key), or neither");
+}
+
+/** The targets, from the issue. */
+const TARGET = {
+	/** Hit p50 at most this many times the floor's p50 ... */
+	hitOverFloor: 1.3,
+	/** ... at every rate where the floor reaches this share of its target. */
+	sustained: 0.95,
+	/** Miss + record pair p50, ms. */
+	missRecordP50Ms: 3,
+};
+
+// ---------------------------------------------------------------- workload
+
+/** Deterministic, so that two runs look up the same paths in the same order. */
+function mulberry32(seed: number): () => number {
+	let a = seed >>> 0;
+	return () => {
+		a = (a + 0x6d2b79f5) >>> 0;
+		let t = a;
+		t = Math.imul(t ^ (t >>> 15), t | 1);
+		t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+		return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+	};
+}
+
+interface BenchPath {
+	/** The recorded run, root first. */
+	calls: RecordedCall[];
+	/** The state before the last call: the cursor variant's `cursor`. */
+	cursor: string;
+	/** The last call's result id and output: what a hit must return. */
+	id: string;
+	output: string;
+	/** Prebuilt request bodies, so the send path does no JSON work. */
+	byHistory: Buffer;
+	byCursor: Buffer;
+}
+
+/**
+ * A coding-agent-shaped tree: paths share their first call in groups of 64
+ * (the repository and its checkout) and their second in groups of 8 (the
+ * environment setup), and differ in the third (the patch). So the tree has
+ * depth 3 and paths/64 + paths/8 + paths state nodes; the lookups hit the
+ * leaves, the deepest and most numerous nodes.
+ */
+function buildPaths(n: number, outputBytes: number): BenchPath[] {
+	const pad = (s: string) =>
+		s.length >= outputBytes ? s : s + " ".repeat(outputBytes - s.length);
+	const paths: BenchPath[] = [];
+	for (let i = 0; i < n; i++) {
+		const g = Math.floor(i / 64);
+		const e = Math.floor(i / 8);
+		const calls: RecordedCall[] = [
+			{
+				tool: "shell",
+				args: { cmd: `git clone https://example.test/repo-${g}.git /w` },
+				mutates: true,
+				output: pad(`Cloning into '/w'... repo-${g} done.`),
+				exitCode: 0,
+				execMs: 4200,
+			},
+			{
+				tool: "shell",
+				args: { cmd: "pip install -e .", cwd: "/w", env: `py3.${e % 4}` },
+				mutates: true,
+				output: pad(`Successfully installed repo-${g} (env ${e})`),
+				exitCode: 0,
+				execMs: 31_000,
+			},
+			{
+				tool: "apply_patch",
+				args: {
+					path: `src/module_${i % 97}.py`,
+					patch: `@@ -${i % 300},1 +${i % 300},1 @@\n-x = ${i}\n+x = ${i + 1}\n`,
+				},
+				mutates: true,
+				output: pad(`patched src/module_${i % 97}.py (path ${i})`),
+				exitCode: 0,
+				execMs: 120,
+			},
+		];
+		const steps = pathIds(calls);
+		const history: Call[] = calls.slice(0, 2).map(callOf);
+		const call = callOf(calls[2]);
+		paths.push({
+			calls,
+			cursor: steps[1].id,
+			id: steps[2].id,
+			output: calls[2].output,
+			byHistory: Buffer.from(JSON.stringify({ history, call })),
+			byCursor: Buffer.from(JSON.stringify({ cursor: steps[1].id, call })),
+		});
+	}
+	return paths;
+}
+
+/** The identity of a recorded call: what a lookup sends. */
+function callOf(c: RecordedCall): Call {
+	return { tool: c.tool, args: c.args, mutates: c.mutates };
+}
+
+// ---------------------------------------------------------------- plumbing
+
+interface Target {
+	url: string;
+	key: string;
+	stop(): Promise<void>;
+	kind: "local-stack" | "url";
+}
+
+async function startTarget(): Promise<Target> {
+	if (flags.url !== undefined && flags.key !== undefined) {
+		return {
+			url: new URL(flags.url).origin,
+			key: flags.key,
+			stop: async () => {},
+			kind: "url",
+		};
+	}
+	const persistTo = mkdtempSync(join(tmpdir(), "trellis-bench-"));
+	process.stderr.write(`starting the local stack (state in ${persistTo})\n`);
+	const { startLocalStack } = await import("../bin/local-stack.ts");
+	const stack = await startLocalStack({ persistTo, quiet: true });
+	return {
+		url: new URL(stack.url).origin,
+		key: stack.trainerKey,
+		kind: "local-stack",
+		stop: async () => {
+			await stack.stop();
+			rmSync(persistTo, { recursive: true, force: true });
+		},
+	};
+}
+
+interface Reply {
+	status: number;
+	text: string;
+	headers: IncomingHeaders;
+}
+
+async function request(
+	pool: Pool,
+	method: "GET" | "POST",
+	path: string,
+	headers: Record<string, string>,
+	body?: string | Buffer,
+): Promise<Reply> {
+	const res = await pool.request({
+		method,
+		path,
+		headers: body
+			? { "content-type": "application/json", ...headers }
+			: headers,
+		body,
+	});
+	return {
+		status: res.statusCode,
+		text: await res.body.text(),
+		headers: res.headers,
+	};
+}
+
+function errorText(r: Reply): string {
+	return `${r.status} ${r.text.slice(0, 300)}`;
+}
+
+/** Where the Worker says a hit came from (its `Server-Timing` header). */
+function hitSource(h: IncomingHeaders): "edge" | "graph" | "unknown" {
+	const st = String(h["server-timing"] ?? "");
+	if (st.startsWith("edge")) return "edge";
+	if (st.startsWith("graph")) return "graph";
+	return "unknown";
+}
+
+// ---------------------------------------------------------------- phases
+
+/** Records every path, `concurrency` at a time; throws on any failure. */
+async function populate(
+	t: Target,
+	task: string,
+	paths: BenchPath[],
+	concurrency = 16,
+): Promise<{ ms: number; rate: number }> {
+	const pool = new Pool(t.url, { connections: concurrency, pipelining: 1 });
+	const auth = { authorization: `Bearer ${t.key}` };
+	const progress = startProgress({ name: "record paths" }, paths.length);
+	const start = performance.now();
+	let next = 0;
+	let done = 0;
+	let failure: Error | null = null;
+	const worker = async () => {
+		while (failure === null && next < paths.length) {
+			const p = paths[next++];
+			// Retries keep one transient failure from wasting a long setup;
+			// three strikes and the run stops, it would measure nothing.
+			for (let attempt = 1; ; attempt++) {
+				try {
+					const r = await request(
+						pool,
+						"POST",
+						`/v1/tasks/${task}/record`,
+						auth,
+						JSON.stringify({ from: ROOT_ID, calls: p.calls }),
+					);
+					if (r.status !== 200) throw new Error(errorText(r));
+					const body = JSON.parse(r.text) as { state: string };
+					if (body.state !== p.id) {
+						throw new Error(
+							`record returned state ${body.state}, want ${p.id}`,
+						);
+					}
+					break;
+				} catch (err) {
+					if (attempt >= 3) {
+						failure = err as Error;
+						return;
+					}
+					await new Promise((r) => setTimeout(r, 200 * attempt));
+				}
+			}
+			done++;
+			progress.update(done, next - done, 0);
+		}
+	};
+	await Promise.all(Array.from({ length: concurrency }, worker));
+	progress.stop(done, 0, 0);
+	await pool.close();
+	if (failure !== null) {
+		throw new Error(
+			`recording the paths failed: ${(failure as Error).message}`,
+		);
+	}
+	const elapsed = performance.now() - start;
+	return { ms: Math.round(elapsed), rate: paths.length / (elapsed / 1000) };
+}
+
+type Route = "floor" | "hit (history)" | "hit (cursor)";
+
+interface RouteRun extends LoadResult {
+	route: Route;
+	/** Where the ok hits were answered, from `Server-Timing`. */
+	sources?: Record<"edge" | "graph" | "unknown", number>;
+}
+
+async function runRoute(
+	t: Target,
+	task: string,
+	paths: BenchPath[],
+	route: Route,
+	rate: number,
+): Promise<RouteRun> {
+	const auth = { authorization: `Bearer ${t.key}` };
+	const random = mulberry32(opts.seed * 7919 + rate);
+	const sources = { edge: 0, graph: 0, unknown: 0 };
+	let request: (i: number) => RequestSpec;
+	if (route === "floor") {
+		const spec: RequestSpec = {
+			method: "GET",
+			path: "/healthz",
+			check: (b) => (b === "ok" ? null : `healthz said ${b.slice(0, 80)}`),
+		};
+		request = () => spec;
+	} else {
+		const lookupPath = `/v1/tasks/${task}/lookup`;
+		const cursor = route === "hit (cursor)";
+		request = () => {
+			const p = paths[Math.floor(random() * paths.length)];
+			return {
+				method: "POST",
+				path: lookupPath,
+				headers: auth,
+				body: cursor ? p.byCursor : p.byHistory,
+				check: (text, headers) => {
+					// Exactness: the recorded hit, this id, this output.
+					const r = JSON.parse(text) as {
+						status: string;
+						id: string;
+						output: string;
+					};
+					if (r.status !== "hit") return `${r.status}, want hit`;
+					if (r.id !== p.id) return `hit ${r.id}, want ${p.id}`;
+					if (r.output !== p.output) return "hit with another output";
+					sources[hitSource(headers)]++;
+					return null;
+				},
+			};
+		};
+	}
+	const r = await runLoad({
+		name: `${rate}/s ${route}`,
+		origin: t.url,
+		rate,
+		durationMs: opts.durationMs,
+		warmupMs: opts.warmupMs,
+		connections: opts.connections,
+		request,
+	});
+	return route === "floor" ? { ...r, route } : { ...r, route, sources };
+}
+
+interface PairRun {
+	pairs: number;
+	rate: number;
+	ok: number;
+	errors: number;
+	errorSamples: string[];
+	/** Pairs that started late because the previous one overran its slot. */
+	overruns: number;
+	pairUs: LatencySummary;
+	firstUs: LatencySummary;
+	secondUs: LatencySummary;
+}
+
+/**
+ * Sequential pairs of requests, pair j started at t0 + j / rate (or when the
+ * previous pair ends, if later). One at a time on purpose: this is the cost a
+ * single rollout sees on a miss, not throughput. Latency is from the pair's
+ * actual start; overruns are counted so that a slow server cannot hide.
+ */
+async function runPairs(
+	name: string,
+	t: Target,
+	count: number,
+	rate: number,
+	pair: (
+		j: number,
+		pool: Pool,
+	) => Promise<{ first: number; second: number; error?: string }>,
+): Promise<PairRun> {
+	const pool = new Pool(t.url, { connections: 1, pipelining: 1 });
+	const all = newHistogram();
+	const first = newHistogram();
+	const second = newHistogram();
+	const errorSamples: string[] = [];
+	let ok = 0;
+	let errors = 0;
+	let overruns = 0;
+	const progress = startProgress({ name }, count);
+	const t0 = performance.now() + 20;
+	for (let j = 0; j < count; j++) {
+		const due = t0 + (j * 1000) / rate;
+		const wait = due - performance.now();
+		if (wait > 0) await new Promise((r) => setTimeout(r, wait));
+		else if (j > 0 && -wait > 1) overruns++;
+		const start = performance.now();
+		try {
+			const r = await pair(j, pool);
+			if (r.error) throw new Error(r.error);
+			recordMs(first, r.first - start);
+			recordMs(second, r.second - r.first);
+			recordMs(all, r.second - start);
+			ok++;
+		} catch (err) {
+			errors++;
+			if (errorSamples.length < 5) errorSamples.push((err as Error).message);
+		}
+		progress.update(j + 1, 0, errors);
+	}
+	progress.stop(count, 0, errors);
+	await pool.close();
+	return {
+		pairs: count,
+		rate,
+		ok,
+		errors,
+		errorSamples,
+		overruns,
+		pairUs: summarize(all),
+		firstUs: summarize(first),
+		secondUs: summarize(second),
+	};
+}
+
+async function missRecord(
+	t: Target,
+	task: string,
+	paths: BenchPath[],
+	runId: string,
+): Promise<PairRun> {
+	const auth = { authorization: `Bearer ${t.key}` };
+	const random = mulberry32(opts.seed * 104_729);
+	return runPairs(
+		"miss + record",
+		t,
+		opts.missPairs,
+		opts.missRate,
+		async (j, pool) => {
+			const p = paths[Math.floor(random() * paths.length)];
+			// A call never seen, under a recorded prefix: the lookup matches
+			// two calls and misses on the third. The full history is sent (not
+			// a cursor), the costlier form.
+			const call: Call = {
+				tool: "shell",
+				args: { cmd: `pytest -x tests/test_${runId}_${j}.py` },
+				mutates: true,
+			};
+			const history = p.calls.slice(0, 2).map(callOf);
+			const lookup = await request(
+				pool,
+				"POST",
+				`/v1/tasks/${task}/lookup`,
+				auth,
+				JSON.stringify({ history, call }),
+			);
+			const firstAt = performance.now();
+			if (lookup.status !== 200)
+				return { first: 0, second: 0, error: errorText(lookup) };
+			const miss = JSON.parse(lookup.text) as { status: string; state: string };
+			if (miss.status !== "miss") {
+				return {
+					first: 0,
+					second: 0,
+					error: `lookup said ${miss.status}, want miss`,
+				};
+			}
+			if (miss.state !== p.cursor) {
+				return {
+					first: 0,
+					second: 0,
+					error: `miss at ${miss.state}, want ${p.cursor}`,
+				};
+			}
+			// The client holds the prefix's state, so it records only the call.
+			const rec = await request(
+				pool,
+				"POST",
+				`/v1/tasks/${task}/record`,
+				auth,
+				JSON.stringify({
+					from: miss.state,
+					calls: [
+						{ ...call, output: `1 passed (${j})`, exitCode: 0, execMs: 2300 },
+					],
+				}),
+			);
+			const secondAt = performance.now();
+			if (rec.status !== 200)
+				return { first: 0, second: 0, error: errorText(rec) };
+			const want = childId(p.cursor, callKey(call));
+			const body = JSON.parse(rec.text) as { state: string };
+			if (body.state !== want) {
+				return {
+					first: 0,
+					second: 0,
+					error: `recorded ${body.state}, want ${want}`,
+				};
+			}
+			return { first: firstAt, second: secondAt };
+		},
+	);
+}
+
+async function floorPairs(t: Target): Promise<PairRun> {
+	return runPairs(
+		"floor pair",
+		t,
+		opts.missPairs,
+		opts.missRate,
+		async (_j, pool) => {
+			const a = await request(pool, "GET", "/healthz", {});
+			const firstAt = performance.now();
+			const b = await request(pool, "GET", "/healthz", {});
+			const secondAt = performance.now();
+			if (a.status !== 200 || b.status !== 200) {
+				return {
+					first: 0,
+					second: 0,
+					error: errorText(a.status !== 200 ? a : b),
+				};
+			}
+			return { first: firstAt, second: secondAt };
+		},
+	);
+}
+
+// ---------------------------------------------------------------- report
+
+interface Line {
+	rate: number;
+	route: string;
+	achieved: number;
+	p50: number;
+	p95: number;
+	p99: number;
+	max: number;
+	errors: number;
+	/** Hit p50 over the floor's p50, same rate. */
+	ratio: number | null;
+	verdict: "PASS" | "FAIL";
+	note: string;
+}
+
+function judge(runs: RouteRun[]): Line[] {
+	const lines: Line[] = [];
+	for (const r of runs) {
+		const floor = runs.find(
+			(f) => f.route === "floor" && f.targetRate === r.targetRate,
+		);
+		const sustained =
+			floor !== undefined &&
+			floor.achievedRate >= TARGET.sustained * floor.targetRate;
+		const ratio =
+			r.route !== "floor" && floor && floor.latencyUs.p50 > 0
+				? r.latencyUs.p50 / floor.latencyUs.p50
+				: null;
+		const notes: string[] = [];
+		let pass = r.errors === 0;
+		if (r.errors > 0) notes.push(`${r.errors} errors`);
+		if (r.route === "floor") {
+			if (!sustained) notes.push("floor not sustained");
+		} else if (!sustained) {
+			notes.push("ratio not judged: floor not sustained");
+		} else if (ratio !== null && ratio > TARGET.hitOverFloor) {
+			pass = false;
+			notes.push(`p50 over ${TARGET.hitOverFloor}x floor`);
+		}
+		if (r.behind) notes.push(`generator late ${r.lateSends}x`);
+		if (r.sources) {
+			const n = r.sources.edge + r.sources.graph + r.sources.unknown;
+			if (n > 0) notes.push(`${Math.round((100 * r.sources.edge) / n)}% edge`);
+		}
+		lines.push({
+			rate: r.targetRate,
+			route: r.route,
+			achieved: r.achievedRate,
+			p50: r.latencyUs.p50,
+			p95: r.latencyUs.p95,
+			p99: r.latencyUs.p99,
+			max: r.latencyUs.max,
+			errors: r.errors,
+			ratio,
+			verdict: pass ? "PASS" : "FAIL",
+			note: notes.join("; "),
+		});
+	}
+	return lines;
+}
+
+function table(lines: Line[], pairs: PairRun, floor: PairRun): string {
+	const head = [
+		"rate",
+		"route",
+		"achieved",
+		"p50 ms",
+		"p95 ms",
+		"p99 ms",
+		"max ms",
+		"errors",
+		"/floor",
+		"target",
+		"note",
+	];
+	const rows = lines.map((l) => [
+		String(l.rate),
+		l.route,
+		l.achieved.toFixed(0),
+		ms(l.p50),
+		ms(l.p95),
+		ms(l.p99),
+		ms(l.max),
+		String(l.errors),
+		l.ratio === null ? "" : `${l.ratio.toFixed(2)}x`,
+		l.verdict,
+		l.note,
+	]);
+	const pairPass =
+		pairs.errors === 0 && pairs.pairUs.p50 < TARGET.missRecordP50Ms * 1000;
+	for (const [label, p, verdict] of [
+		["miss+record", pairs, pairPass ? "PASS" : "FAIL"],
+		["floor pair", floor, floor.errors === 0 ? "PASS" : "FAIL"],
+	] as const) {
+		rows.push([
+			String(p.rate),
+			label,
+			`${p.ok} pairs`,
+			ms(p.pairUs.p50),
+			ms(p.pairUs.p95),
+			ms(p.pairUs.p99),
+			ms(p.pairUs.max),
+			String(p.errors),
+			"",
+			verdict,
+			label === "miss+record"
+				? `lookup p50 ${ms(p.firstUs.p50)} + record p50 ${ms(p.secondUs.p50)}`
+				: "two GET /healthz in a row",
+		]);
+	}
+	const widths = head.map((h, i) =>
+		Math.max(h.length, ...rows.map((r) => r[i].length)),
+	);
+	const fmt = (r: string[]) =>
+		"| " + r.map((c, i) => c.padEnd(widths[i])).join(" | ") + " |";
+	return [
+		fmt(head),
+		"|" + widths.map((w) => "-".repeat(w + 2)).join("|") + "|",
+		...rows.map(fmt),
+	].join("\n");
+}
+
+function gitCommit(): string | null {
+	try {
+		return execFileSync("git", ["rev-parse", "--short", "HEAD"], {
+			encoding: "utf8",
+		}).trim();
+	} catch {
+		return null;
+	}
+}
+
+// ---------------------------------------------------------------- main
+
+const runId = Date.now().toString(36);
+const task = `bench-lookup-${runId}`;
+const started = new Date();
+const paths = buildPaths(opts.paths, opts.outputBytes);
+const target = await startTarget();
+let exitCode = 0;
+const stopOnSignal = () => {
+	process.stderr.write("interrupted; stopping the stack\n");
+	void target.stop().finally(() => process.exit(130));
+};
+process.once("SIGINT", stopOnSignal);
+process.once("SIGTERM", stopOnSignal);
+try {
+	const pop = await populate(target, task, paths);
+	process.stderr.write(
+		`recorded ${paths.length} paths in ${(pop.ms / 1000).toFixed(1)} s ` +
+			`(${pop.rate.toFixed(0)} records/s)\n`,
+	);
+	const routes: Route[] = opts.cursor
+		? ["floor", "hit (history)", "hit (cursor)"]
+		: ["floor", "hit (history)"];
+	const runs: RouteRun[] = [];
+	for (const rate of opts.rates) {
+		for (const route of routes) {
+			const r = await runRoute(target, task, paths, route, rate);
+			runs.push(r);
+			process.stderr.write(
+				`${rate}/s ${route}: achieved ${r.achievedRate.toFixed(0)}, ` +
+					`p50 ${ms(r.latencyUs.p50)} p99 ${ms(r.latencyUs.p99)} ms, ` +
+					`${r.errors} errors, generator ${(100 * r.generatorCpu).toFixed(0)}% ` +
+					`of a core, machine ${(100 * r.machineCpu).toFixed(0)}% busy\n`,
+			);
+		}
+	}
+	const floorPair = await floorPairs(target);
+	const pairs = await missRecord(target, task, paths, runId);
+	const lines = judge(runs);
+	const text = table(lines, pairs, floorPair);
+	console.log(text);
+	const errorSamples = runs
+		.filter((r) => r.errorSamples.length > 0)
+		.map((r) => `${r.targetRate}/s ${r.route}: ${r.errorSamples.join(" / ")}`);
+	if (pairs.errorSamples.length > 0) {
+		errorSamples.push(`miss+record: ${pairs.errorSamples.join(" / ")}`);
+	}
+	for (const e of errorSamples) console.log(`error sample: ${e}`);
+	const failed =
+		lines.filter((l) => l.verdict === "FAIL").length +
+		(pairs.errors === 0 && pairs.pairUs.p50 < TARGET.missRecordP50Ms * 1000
+			? 0
+			: 1);
+	console.log(failed === 0 ? "all targets met" : `${failed} line(s) FAIL`);
+	if (failed > 0) exitCode = 1;
+
+	const result = {
+		meta: {
+			date: started.toISOString(),
+			commit: gitCommit(),
+			node: process.version,
+			os: type(),
+			cpus: cpus().length,
+			cpuModel: cpus()[0]?.model ?? null,
+			memoryGiB: Math.round(totalmem() / 2 ** 30),
+			target: target.kind,
+			note:
+				target.kind === "local-stack"
+					? "workerd and the load generator share this machine's cores"
+					: undefined,
+		},
+		options: { ...opts, task },
+		targets: TARGET,
+		populate: { paths: paths.length, ...pop },
+		runs,
+		lines,
+		missRecord: pairs,
+		floorPair,
+		failed,
+	};
+	mkdirSync(dirname(opts.out), { recursive: true });
+	writeFileSync(opts.out, JSON.stringify(result, null, "\t") + "\n");
+	mkdirSync(dirname(opts.chart), { recursive: true });
+	writeFileSync(
+		opts.chart,
+		renderChart(
+			runs.map((r) => ({
+				series: r.route,
+				rate: r.targetRate,
+				p50Us: r.latencyUs.p50,
+				p99Us: r.latencyUs.p99,
+				achieved: r.achievedRate,
+			})),
+			`Trellis exact-hit lookups vs the /healthz floor (${cpus().length} cores, ` +
+				`${started.toISOString().slice(0, 10)})`,
+		),
+	);
+	process.stderr.write(`wrote ${opts.out} and ${opts.chart}\n`);
+} catch (err) {
+	console.error(err);
+	exitCode = 2;
+} finally {
+	await target.stop();
+}
+process.exit(exitCode);
