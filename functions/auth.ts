@@ -76,15 +76,12 @@ export const authenticate = createMiddleware<AppEnv>(async (c, next) => {
 	await next();
 });
 
-/**
- * Lets through the roles named (a project admin may do anything in its
- * project). The root key passes only where `root` is allowed.
- */
+/** Lets through the roles named; the root key only where `root` is set. */
 export function allow(roles: Role[], opts: { root?: boolean } = {}) {
 	return createMiddleware<AppEnv>(async (c, next) => {
 		const p = c.get("principal");
 		const allowed =
-			p.kind === "root" ? opts.root === true : p.role === "admin" || roles.includes(p.role);
+			p.kind === "root" ? opts.root === true : roles.includes(p.role);
 		if (!allowed) {
 			const who = p.kind === "root" ? "the root admin key" : `a ${p.role} key`;
 			throw apiError(403, "forbidden", `${who} may not ${c.req.method} ${c.req.path}`);

@@ -12,7 +12,7 @@ import { apiError } from "./errors.ts";
 
 export const snapshots = new Hono<AppEnv>();
 
-const blobs = allow(["trainer", "host"]);
+const blobs = allow(["trainer", "host", "admin"]);
 
 function blobKey(project: string, task: string, state: string): string {
 	return `snapshots/${project}/${task}/${state}`;

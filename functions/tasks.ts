@@ -34,7 +34,7 @@ import { jsonBody, valid } from "./validate.ts";
 
 export const tasks = new Hono<AppEnv>();
 
-const trainer = allow(["trainer"]);
+const trainer = allow(["trainer", "admin"]);
 
 function leaseTtl(env: Env, ttlMs: number | undefined): number {
 	return Math.min(ttlMs ?? Number(env.LEASE_TTL_MS), Number(env.LEASE_MAX_TTL_MS));
@@ -67,7 +67,7 @@ function timing(start: number, parts: Record<string, number>): string {
 	].join(", ");
 }
 
-tasks.get("/", allow(["trainer", "host"]), valid("query", TaskListQuery), async (c) => {
+tasks.get("/", allow(["trainer", "host", "admin"]), valid("query", TaskListQuery), async (c) => {
 	const p = c.get("principal");
 	if (p.kind !== "key") throw apiError(403, "forbidden", "the root admin key sees no task");
 	const { after, limit } = c.req.valid("query");
@@ -245,7 +245,7 @@ tasks.delete("/:task/leases/:lease", task, trainer, async (c) => {
 	return c.json(unwrap(await c.get("graph").releaseLease(c.req.param("lease"))));
 });
 
-tasks.get("/:task/stats", task, allow(["trainer", "host"]), async (c) => {
+tasks.get("/:task/stats", task, allow(["trainer", "host", "admin"]), async (c) => {
 	const scope = c.get("scope");
 	await sendPending(c.get("graph"), takePending(scope));
 	const stats = await c.get("graph").stats(scope);
@@ -253,7 +253,7 @@ tasks.get("/:task/stats", task, allow(["trainer", "host"]), async (c) => {
 	return c.json(stats);
 });
 
-tasks.get("/:task/graph", task, allow(["trainer", "host"]), valid("query", GraphQuery), async (c) => {
+tasks.get("/:task/graph", task, allow(["trainer", "host", "admin"]), valid("query", GraphQuery), async (c) => {
 	const { after, limit } = c.req.valid("query");
 	const page = await c.get("graph").graph(after ?? 0, limit);
 	if (page === null) throw apiError(404, "task_not_found", "this task has nothing recorded");
