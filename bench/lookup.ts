@@ -22,7 +22,7 @@
  *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
  */
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
-import { cpus, tmpdir, totalmem, type } from "node:os";
+import { cpus, loadavg, tmpdir, totalmem, type } from "node:os";
 import { dirname, join } from "node:path";
 import { execFileSync } from "node:child_process";
 import { performance } from "node:perf_hooks";
@@ -273,12 +273,25 @@ function errorText(r: Reply): string {
 	return `${r.status} ${r.text.slice(0, 300)}`;
 }
 
-/** Where the Worker says a hit came from (its `Server-Timing` header). */
-function hitSource(h: IncomingHeaders): "edge" | "graph" | "unknown" {
+/**
+ * Where the Worker says a hit came from, and how long its handler took, from
+ * its `Server-Timing` header (`edge;dur=..` or `graph;dur=..`, then
+ * `total;dur=..`). workerd's clock only advances across I/O (a Spectre
+ * mitigation), so `total` is ~0 for an edge hit and is the Durable Object
+ * round trip for a graph hit: it shows where time goes, not CPU cost.
+ */
+function serverTiming(h: IncomingHeaders): {
+	source: "edge" | "graph" | "unknown";
+	totalMs: number | null;
+} {
 	const st = String(h["server-timing"] ?? "");
-	if (st.startsWith("edge")) return "edge";
-	if (st.startsWith("graph")) return "graph";
-	return "unknown";
+	const source = st.startsWith("edge")
+		? "edge"
+		: st.startsWith("graph")
+			? "graph"
+			: "unknown";
+	const m = /total;dur=([0-9.]+)/.exec(st);
+	return { source, totalMs: m ? Number(m[1]) : null };
 }
 
 // ---------------------------------------------------------------- phases
@@ -349,6 +362,8 @@ interface RouteRun extends LoadResult {
 	route: Route;
 	/** Where the ok hits were answered, from `Server-Timing`. */
 	sources?: Record<"edge" | "graph" | "unknown", number>;
+	/** The handler's own `Server-Timing` total for the ok hits. */
+	serverUs?: LatencySummary;
 }
 
 async function runRoute(
@@ -361,6 +376,7 @@ async function runRoute(
 	const auth = { authorization: `Bearer ${t.key}` };
 	const random = mulberry32(opts.seed * 7919 + rate);
 	const sources = { edge: 0, graph: 0, unknown: 0 };
+	const server = newHistogram();
 	let request: (i: number) => RequestSpec;
 	if (route === "floor") {
 		const spec: RequestSpec = {
@@ -389,7 +405,9 @@ async function runRoute(
 					if (r.status !== "hit") return `${r.status}, want hit`;
 					if (r.id !== p.id) return `hit ${r.id}, want ${p.id}`;
 					if (r.output !== p.output) return "hit with another output";
-					sources[hitSource(headers)]++;
+					const timing = serverTiming(headers);
+					sources[timing.source]++;
+					if (timing.totalMs !== null) recordMs(server, timing.totalMs);
 					return null;
 				},
 			};
@@ -404,7 +422,9 @@ async function runRoute(
 		connections: opts.connections,
 		request,
 	});
-	return route === "floor" ? { ...r, route } : { ...r, route, sources };
+	return route === "floor"
+		? { ...r, route }
+		: { ...r, route, sources, serverUs: summarize(server) };
 }
 
 interface PairRun {
@@ -722,6 +742,15 @@ const runId = Date.now().toString(36);
 const task = `bench-lookup-${runId}`;
 const started = new Date();
 const paths = buildPaths(opts.paths, opts.outputBytes);
+// Other work on the machine skews every figure; say so up front and keep
+// the load average with the results.
+const loadBefore = loadavg();
+if (loadBefore[0] > 0.5) {
+	process.stderr.write(
+		`warning: load average ${loadBefore[0].toFixed(2)} before starting; ` +
+			"other processes will share the cores with the benchmark\n",
+	);
+}
 const target = await startTarget();
 let exitCode = 0;
 const stopOnSignal = () => {
@@ -748,7 +777,12 @@ try {
 				`${rate}/s ${route}: achieved ${r.achievedRate.toFixed(0)}, ` +
 					`p50 ${ms(r.latencyUs.p50)} p99 ${ms(r.latencyUs.p99)} ms, ` +
 					`${r.errors} errors, generator ${(100 * r.generatorCpu).toFixed(0)}% ` +
-					`of a core, machine ${(100 * r.machineCpu).toFixed(0)}% busy\n`,
+					`of a core, machine ${(100 * r.machineCpu).toFixed(0)}% busy` +
+					(r.sources
+						? `, ${r.sources.edge} edge / ${r.sources.graph} graph hits, ` +
+							`server p50 ${ms(r.serverUs!.p50)} ms`
+						: "") +
+					"\n",
 			);
 		}
 	}
@@ -781,6 +815,8 @@ try {
 			cpus: cpus().length,
 			cpuModel: cpus()[0]?.model ?? null,
 			memoryGiB: Math.round(totalmem() / 2 ** 30),
+			loadavgBefore: loadBefore,
+			loadavgAfter: loadavg(),
 			target: target.kind,
 			note:
 				target.kind === "local-stack"
