@@ -67,7 +67,7 @@ export class TrellisError extends Error {
 	readonly details: unknown;
 	/** Whether trying again later may succeed: 429, 5xx and network failures. */
 	readonly retryable: boolean;
-	/** Seconds the server asked us to wait (`Retry-After`), if it said. */
+	/** How long the server asked us to wait (`Retry-After`) in ms, if it said. */
 	readonly retryAfterMs: number | undefined;
 
 	constructor(init: {
@@ -114,7 +114,9 @@ export interface KeyInfo {
 
 /** One task of `GET /v1/tasks`; the server may add fields. */
 export interface TaskInfo {
-	name: string;
+	task: string;
+	lookups?: number;
+	hits?: number;
 	[field: string]: unknown;
 }
 
@@ -138,7 +140,7 @@ interface RequestSpec {
 	path: string;
 	query?: Record<string, string | number | undefined>;
 	json?: unknown;
-	body?: Uint8Array | ReadableStream<Uint8Array>;
+	body?: Uint8Array;
 	auth?: boolean;
 	retry: RetryPolicy;
 	timeout?: boolean;
@@ -242,18 +244,22 @@ export class TrellisClient {
 		});
 	}
 
-	/** `GET /v1/keys` (admin): the keys of the caller's project. */
-	async listKeys(): Promise<KeyInfo[]> {
-		const body = await this.#json<{ keys: KeyInfo[] } | KeyInfo[]>({
+	/**
+	 * `GET /v1/keys` (admin): the keys of the caller's project, or (root
+	 * admin key) of the project named.
+	 */
+	async listKeys(query: { project?: string } = {}): Promise<KeyInfo[]> {
+		const body = await this.#json<{ keys: KeyInfo[] }>({
 			method: "GET",
 			path: "/v1/keys",
+			query,
 			retry: "idempotent",
 		});
-		return Array.isArray(body) ? body : body.keys;
+		return body.keys;
 	}
 
 	/** `DELETE /v1/keys/:id` (admin): revokes a key. */
-	deleteKey(id: string): Promise<unknown> {
+	deleteKey(id: string): Promise<{ id: string; revoked: boolean }> {
 		return this.#json({
 			method: "DELETE",
 			path: `/v1/keys/${enc(id)}`,
@@ -374,22 +380,22 @@ export class TrellisClient {
 
 	/**
 	 * `PUT /v1/tasks/:task/snapshots/:state`: uploads a snapshot blob of
-	 * `state` for `driver` and returns the ref to record with the call. A
-	 * byte array is retried like any idempotent call; a stream can be sent
-	 * only once, so it is not.
+	 * `state` for `driver` and returns the ref to record with the call. The
+	 * Worker streams it into R2, which needs its length up front: hence
+	 * bytes, not a stream.
 	 */
 	putSnapshot(
 		task: string,
 		state: string,
-		body: Uint8Array | ReadableStream<Uint8Array>,
+		data: Uint8Array,
 		driver: string,
 	): Promise<SnapshotRef> {
 		return this.#json({
 			method: "PUT",
 			path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
 			query: { driver },
-			body,
-			retry: body instanceof Uint8Array ? "idempotent" : "rate-limit-only",
+			body: data,
+			retry: "idempotent",
 			timeout: false,
 		});
 	}
@@ -432,8 +438,7 @@ export class TrellisClient {
 				const again =
 					attempt < this.#retries &&
 					err.retryable &&
-					(spec.retry === "idempotent" || err.status === 429) &&
-					!(spec.body instanceof ReadableStream);
+					(spec.retry === "idempotent" || err.status === 429);
 				if (!again) throw err;
 				await sleep(this.#delay(attempt, err.retryAfterMs));
 			}
@@ -473,9 +478,7 @@ export class TrellisClient {
 				headers,
 				body,
 				signal,
-				// Node's fetch sends a stream body only in half-duplex mode.
-				...(spec.body instanceof ReadableStream ? { duplex: "half" } : {}),
-			} as RequestInit);
+			});
 		} catch (cause) {
 			const timedOut =
 				cause instanceof Error && cause.name === "TimeoutError";
