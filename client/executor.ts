@@ -89,6 +89,8 @@ export interface RolloutCounters {
 	restores: number;
 	/** Snapshots taken and uploaded. */
 	snapshots: number;
+	/** Snapshot leases the cache granted on misses; each is released before `call` returns. */
+	leases: number;
 	/** Recorded calls whose first recorded output differed from ours. */
 	conflicts: number;
 	/** Lookups whose cursor the graph no longer held (retried with the history). */
@@ -104,6 +106,7 @@ function counters(): RolloutCounters {
 		savedMs: 0,
 		restores: 0,
 		snapshots: 0,
+		leases: 0,
 		conflicts: 0,
 		staleCursors: 0,
 	};
@@ -432,6 +435,7 @@ export class CachedToolExecutor {
 
 	/** Keeps a lease alive while a restore and replay may outlast it. */
 	#hold(lease: Lease): () => void {
+		this.#counters.leases++;
 		this.#leases.add(lease.id);
 		const ttl = Math.max(lease.expiresAt - Date.now(), 1000);
 		const timer = setInterval(() => {
