@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { ROOT_ID, callKey, canonicalCall, pathIds } from "../../core/ids.ts";
+import { ROOT_ID, callKey, canonicalCall, pathIds, type Call } from "../../core/ids.ts";
 import vectors from "../vectors/ids.json";
 import canonicalize from "canonicalize";
 
@@ -24,7 +24,8 @@ describe("canonical ids", () => {
 		const a = callKey({ tool: "t", args: { a: 1, b: [1, { d: 2, c: 3 }] } });
 		const b = callKey({ tool: "t", args: { b: [1, { c: 3, d: 2 }], a: 1 } });
 		expect(a).toBe(b);
-		expect(callKey({ tool: "t", args: 1, mutates: false })).toBe(callKey({ tool: "t", args: 1 }));
+		const stateless: Call = { tool: "t", args: 1, mutates: false };
+		expect(callKey(stateless)).toBe(callKey({ tool: "t", args: 1 }));
 	});
 
 	// RFC 8785 section 3.2.2 and 3.2.3, the published input and output.
