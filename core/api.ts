@@ -53,7 +53,9 @@ function wellFormed(value: unknown): boolean {
 	return true;
 }
 
-export const Id = z.string().regex(ID_PATTERN, "must be 64 lowercase hex digits");
+export const Id = z
+	.string()
+	.regex(ID_PATTERN, "must be 64 lowercase hex digits");
 
 /** Task names are chosen by the trainer: a dataset id, an instance id, ... */
 export const TaskName = z
@@ -67,7 +69,9 @@ export const ProjectName = z
 	.string()
 	.regex(/^[a-z0-9][a-z0-9-]{0,62}$/, "1-63 characters of a-z 0-9 -");
 
-const Text = z.string().refine((s) => s.isWellFormed(), "must be valid Unicode");
+const Text = z
+	.string()
+	.refine((s) => s.isWellFormed(), "must be valid Unicode");
 
 export const Call = z.object({
 	tool: Text.pipe(z.string().min(1).max(LIMITS.toolNameLength)),
@@ -77,7 +81,9 @@ export const Call = z.object({
 		.refine((a) => depthWithin(a, LIMITS.maxArgsDepth), {
 			message: `args nest deeper than ${LIMITS.maxArgsDepth} levels`,
 		})
-		.refine(wellFormed, { message: "args hold a string that is not valid Unicode" }),
+		.refine(wellFormed, {
+			message: "args hold a string that is not valid Unicode",
+		}),
 	mutates: z.boolean().optional(),
 });
 export type Call = z.infer<typeof Call>;
@@ -132,7 +138,10 @@ export const RecordRequest = z
 export type RecordRequest = z.input<typeof RecordRequest>;
 
 export const LeaseRequest = z
-	.object({ state: Id, ttlMs: z.number().int().min(LIMITS.minLeaseTtlMs).optional() })
+	.object({
+		state: Id,
+		ttlMs: z.number().int().min(LIMITS.minLeaseTtlMs).optional(),
+	})
 	.strict();
 export const RenewRequest = z
 	.object({ ttlMs: z.number().int().min(LIMITS.minLeaseTtlMs).optional() })

@@ -27,7 +27,8 @@ const OBS = Buffer.from("obs", "utf8");
 
 function sha256(...parts: (Buffer | string)[]): Buffer {
 	const h = createHash("sha256");
-	for (const p of parts) h.update(typeof p === "string" ? Buffer.from(p, "utf8") : p);
+	for (const p of parts)
+		h.update(typeof p === "string" ? Buffer.from(p, "utf8") : p);
 	return h.digest();
 }
 
@@ -55,9 +56,11 @@ export function childId(parent: string, key: string): string {
 
 /** The result of a stateless call with key `key` run at state `state`. */
 export function obsId(state: string, key: string): string {
-	return sha256(Buffer.from(state, "hex"), OBS, Buffer.from(key, "hex")).toString(
-		"hex",
-	);
+	return sha256(
+		Buffer.from(state, "hex"),
+		OBS,
+		Buffer.from(key, "hex"),
+	).toString("hex");
 }
 
 export function mutates(call: Call): boolean {
@@ -75,7 +78,10 @@ export interface PathStep {
 }
 
 /** The ids of every call of a path that starts at `from` (the root by default). */
-export function pathIds(calls: readonly Call[], from: string = ROOT_ID): PathStep[] {
+export function pathIds(
+	calls: readonly Call[],
+	from: string = ROOT_ID,
+): PathStep[] {
 	let state = from;
 	return calls.map((call) => {
 		const key = callKey(call);
@@ -88,9 +94,13 @@ export function pathIds(calls: readonly Call[], from: string = ROOT_ID): PathSte
 }
 
 /** The state a path leaves the sandbox in: stateless calls do not move it. */
-export function finalState(calls: readonly Call[], from: string = ROOT_ID): string {
+export function finalState(
+	calls: readonly Call[],
+	from: string = ROOT_ID,
+): string {
 	let state = from;
-	for (const call of calls) if (mutates(call)) state = childId(state, callKey(call));
+	for (const call of calls)
+		if (mutates(call)) state = childId(state, callKey(call));
 	return state;
 }
 

@@ -2,7 +2,13 @@
  * The task graph's SQLite schema (one database per task). Writing the layout
  * down once: see docs/storage.md.
  */
-import { index, integer, real, sqliteTable, text } from "drizzle-orm/sqlite-core";
+import {
+	index,
+	integer,
+	real,
+	sqliteTable,
+	text,
+} from "drizzle-orm/sqlite-core";
 
 /**
  * Every node of the tool call graph. `kind` is `root` (one row, the empty
@@ -47,7 +53,10 @@ export const leases = sqliteTable(
 		/** Set when the alarm expires it; kept a while so a renewal can say why. */
 		expiredAt: integer("expired_at"),
 	},
-	(t) => [index("leases_expires").on(t.expiresAt), index("leases_node").on(t.nodeId)],
+	(t) => [
+		index("leases_expires").on(t.expiresAt),
+		index("leases_node").on(t.nodeId),
+	],
 );
 
 /** Per-tool counters; the totals are their sums. */

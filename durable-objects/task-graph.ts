@@ -130,7 +130,10 @@ export class TaskGraph extends DurableObject<Env> {
 	 * output (a hit) or what the rollout must do to execute the call (a miss):
 	 * where to resume, what to replay, and a lease on the snapshot.
 	 */
-	async lookup(scope: Scope, input: LookupInput): Promise<Result<StoredHit | Miss>> {
+	async lookup(
+		scope: Scope,
+		input: LookupInput,
+	): Promise<Result<StoredHit | Miss>> {
 		if (input.cursor !== undefined && !this.#index.has(input.cursor)) {
 			return fail(
 				409,
@@ -171,7 +174,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const depth = this.#index.get(matched)!.depth;
 
 		let snapshotState: string | null = null;
-		for (let s: string | null = matched; s !== null; ) {
+		for (let s: string | null = matched; s !== null;) {
 			const n: IndexNode = this.#index.get(s)!;
 			if (n.snapshot) {
 				snapshotState = s;
@@ -209,7 +212,8 @@ export class TaskGraph extends DurableObject<Env> {
 				key: row.snapshotKey!,
 				bytes: row.snapshotBytes ?? 0,
 			};
-			if (input.lease) lease = this.#grantLease(snapshotState, input.leaseTtlMs, at);
+			if (input.lease)
+				lease = this.#grantLease(snapshotState, input.leaseTtlMs, at);
 		}
 		this.#bumpTool(tool, { lookups: 1, misses: 1 });
 		this.#touch();
@@ -231,7 +235,10 @@ export class TaskGraph extends DurableObject<Env> {
 	 * output it is a `conflict`, the first record stands, and the tool is
 	 * flagged nondeterministic (invariant 3).
 	 */
-	async record(scope: Scope, input: RecordInput): Promise<Result<RecordResponse>> {
+	async record(
+		scope: Scope,
+		input: RecordInput,
+	): Promise<Result<RecordResponse>> {
 		if (!this.#index.has(input.from)) {
 			return fail(
 				409,
@@ -356,7 +363,11 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	/** Takes a lease on a state, keeping its snapshot from eviction until it ends. */
-	async acquireLease(scope: Scope, state: string, ttlMs: number): Promise<Result<Lease>> {
+	async acquireLease(
+		scope: Scope,
+		state: string,
+		ttlMs: number,
+	): Promise<Result<Lease>> {
 		if (!this.#index.has(state)) {
 			return fail(404, "state_not_found", "this task holds no such state");
 		}
@@ -375,7 +386,9 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	/** Ends a live lease. */
-	async releaseLease(id: string): Promise<Result<{ id: string; released: true }>> {
+	async releaseLease(
+		id: string,
+	): Promise<Result<{ id: string; released: true }>> {
 		const live = this.#liveLease(id);
 		if (!live.ok) return live;
 		this.#db.delete(leases).where(eq(leases.id, id)).run();
@@ -494,7 +507,9 @@ export class TaskGraph extends DurableObject<Env> {
 
 		const next = this.#db
 			.select({
-				live: sql<number | null>`min(case when ${leases.expiredAt} is null then ${leases.expiresAt} end)`,
+				live: sql<
+					number | null
+				>`min(case when ${leases.expiredAt} is null then ${leases.expiresAt} end)`,
 				forget: sql<number | null>`min(${leases.expiredAt})`,
 			})
 			.from(leases)
@@ -533,11 +548,21 @@ export class TaskGraph extends DurableObject<Env> {
 
 	#rebuild(): void {
 		this.#index.clear();
-		const hasRoot = this.#db.select().from(nodes).where(eq(nodes.id, ROOT_ID)).get();
+		const hasRoot = this.#db
+			.select()
+			.from(nodes)
+			.where(eq(nodes.id, ROOT_ID))
+			.get();
 		if (!hasRoot) {
 			this.#db
 				.insert(nodes)
-				.values({ id: ROOT_ID, parentId: null, kind: "root", depth: 0, createdAt: now() })
+				.values({
+					id: ROOT_ID,
+					parentId: null,
+					kind: "root",
+					depth: 0,
+					createdAt: now(),
+				})
 				.run();
 		}
 		const rows = this.#db
@@ -563,7 +588,7 @@ export class TaskGraph extends DurableObject<Env> {
 	/** The held state-changing calls strictly below `from`, down to `to`. */
 	#pathCalls(from: string, to: string): ReplayCall[] {
 		const ids: string[] = [];
-		for (let s: string | null = to; s !== null && s !== from; ) {
+		for (let s: string | null = to; s !== null && s !== from;) {
 			ids.push(s);
 			s = this.#index.get(s)!.parent;
 		}
@@ -593,7 +618,11 @@ export class TaskGraph extends DurableObject<Env> {
 
 	#sameOutput(id: string, output: string, exitCode: number): boolean {
 		const r = this.#db
-			.select({ output: nodes.output, outputKey: nodes.outputKey, exitCode: nodes.exitCode })
+			.select({
+				output: nodes.output,
+				outputKey: nodes.outputKey,
+				exitCode: nodes.exitCode,
+			})
 			.from(nodes)
 			.where(eq(nodes.id, id))
 			.get()!;
@@ -608,7 +637,11 @@ export class TaskGraph extends DurableObject<Env> {
 	#attachSnapshot(id: string, ref: SnapshotRef): void {
 		this.#db
 			.update(nodes)
-			.set({ snapshotDriver: ref.driver, snapshotKey: ref.key, snapshotBytes: ref.bytes })
+			.set({
+				snapshotDriver: ref.driver,
+				snapshotKey: ref.key,
+				snapshotBytes: ref.bytes,
+			})
 			.where(eq(nodes.id, id))
 			.run();
 		this.#index.get(id)!.snapshot = true;
@@ -623,7 +656,10 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#bumpTool(tool, { lookups: 1, hits: 1, savedMs: execMs });
 	}
 
-	#bumpTool(tool: string, d: Partial<Omit<ToolStats, "nondeterministic">>): void {
+	#bumpTool(
+		tool: string,
+		d: Partial<Omit<ToolStats, "nondeterministic">>,
+	): void {
 		const v = {
 			tool,
 			lookups: d.lookups ?? 0,
@@ -662,7 +698,11 @@ export class TaskGraph extends DurableObject<Env> {
 		const row = this.#db.select().from(leases).where(eq(leases.id, id)).get();
 		if (!row) return fail(404, "lease_not_found", "no such lease");
 		if (row.expiredAt !== null || row.expiresAt <= now()) {
-			return fail(409, "lease_expired", "the lease expired; look up again for a new one");
+			return fail(
+				409,
+				"lease_expired",
+				"the lease expired; look up again for a new one",
+			);
 		}
 		return ok({ nodeId: row.nodeId });
 	}
@@ -711,7 +751,8 @@ export class TaskGraph extends DurableObject<Env> {
 		const s = await this.stats(scope);
 		if (s === null) return;
 		const created = Number(
-			this.#db.select().from(meta).where(eq(meta.key, "created_at")).get()?.value ?? at,
+			this.#db.select().from(meta).where(eq(meta.key, "created_at")).get()
+				?.value ?? at,
 		);
 		// A change during the write below marks the index dirty again.
 		this.#indexDirty = false;

@@ -12,6 +12,8 @@ export type AppEnv = {
 		principal: Principal;
 		/** Set by the task middleware: the caller's project and the task in the path. */
 		scope: Scope;
-		graph: DurableObjectStub<import("../durable-objects/task-graph.ts").TaskGraph>;
+		graph: DurableObjectStub<
+			import("../durable-objects/task-graph.ts").TaskGraph
+		>;
 	};
 };

@@ -15,7 +15,10 @@ import type { AppEnv, Principal } from "./app.ts";
 import { apiError } from "./errors.ts";
 
 const KEY_CACHE_MS = 5000;
-const keyCache = new Map<string, { principal: Principal | null; until: number }>();
+const keyCache = new Map<
+	string,
+	{ principal: Principal | null; until: number }
+>();
 
 export function hashKey(key: string): string {
 	return createHash("sha256").update(key, "utf8").digest("hex");
@@ -84,7 +87,11 @@ export function allow(roles: Role[], opts: { root?: boolean } = {}) {
 			p.kind === "root" ? opts.root === true : roles.includes(p.role);
 		if (!allowed) {
 			const who = p.kind === "root" ? "the root admin key" : `a ${p.role} key`;
-			throw apiError(403, "forbidden", `${who} may not ${c.req.method} ${c.req.path}`);
+			throw apiError(
+				403,
+				"forbidden",
+				`${who} may not ${c.req.method} ${c.req.path}`,
+			);
 		}
 		await next();
 	});
@@ -94,14 +101,27 @@ export function allow(roles: Role[], opts: { root?: boolean } = {}) {
 export const taskScope = createMiddleware<AppEnv>(async (c, next) => {
 	const p = c.get("principal");
 	if (p.kind !== "key") {
-		throw apiError(403, "forbidden", "the root admin key sees no task; use a project key");
+		throw apiError(
+			403,
+			"forbidden",
+			"the root admin key sees no task; use a project key",
+		);
 	}
 	const name = TaskName.safeParse(c.req.param("task"));
 	if (!name.success) {
-		throw apiError(400, "invalid_request", `task: ${name.error.issues[0].message}`);
+		throw apiError(
+			400,
+			"invalid_request",
+			`task: ${name.error.issues[0].message}`,
+		);
 	}
 	const scope = { project: p.project, task: name.data };
 	c.set("scope", scope);
-	c.set("graph", c.env.TASK_GRAPH.get(c.env.TASK_GRAPH.idFromName(`${p.project}/${name.data}`)));
+	c.set(
+		"graph",
+		c.env.TASK_GRAPH.get(
+			c.env.TASK_GRAPH.idFromName(`${p.project}/${name.data}`),
+		),
+	);
 	await next();
 });

@@ -11,7 +11,11 @@
 import { LRUCache } from "lru-cache";
 import type { Hit } from "../core/api.ts";
 import { now } from "../core/clock.ts";
-import type { EdgeHit, Scope, TaskGraph } from "../durable-objects/task-graph.ts";
+import type {
+	EdgeHit,
+	Scope,
+	TaskGraph,
+} from "../durable-objects/task-graph.ts";
 
 const FLUSH_MS = 1000;
 const FLUSH_COUNT = 256;
@@ -32,13 +36,23 @@ function store(env: Env): LRUCache<string, Entry> {
 	return cache;
 }
 
-const cacheKey = (scope: Scope, id: string) => `${scope.project}\u0000${scope.task}\u0000${id}`;
+const cacheKey = (scope: Scope, id: string) =>
+	`${scope.project}\u0000${scope.task}\u0000${id}`;
 
-export function cachedHit(env: Env, scope: Scope, id: string): Entry | undefined {
+export function cachedHit(
+	env: Env,
+	scope: Scope,
+	id: string,
+): Entry | undefined {
 	return store(env).get(cacheKey(scope, id));
 }
 
-export function rememberHit(env: Env, scope: Scope, tool: string, hit: Hit): void {
+export function rememberHit(
+	env: Env,
+	scope: Scope,
+	tool: string,
+	hit: Hit,
+): void {
 	const maxSize = Number(env.EDGE_CACHE_BYTES);
 	if (hit.output.length * 2 + 512 > maxSize / 16) return;
 	store(env).set(cacheKey(scope, hit.id), { hit, tool });

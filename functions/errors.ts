@@ -28,12 +28,15 @@ export function unwrap<T>(r: { ok: true; value: T } | Failure): T {
 export const onError: ErrorHandler = (err, c) => {
 	if (err instanceof HTTPException) {
 		const res = err.getResponse();
-		if (res.headers.get("content-type")?.includes("application/json")) return res;
+		if (res.headers.get("content-type")?.includes("application/json"))
+			return res;
 		// Hono's own exceptions (body limit, malformed JSON) carry plain text.
 		return c.json(
 			{
 				error: {
-					code: /json/i.test(err.message) ? "invalid_json" : codeFor(err.status),
+					code: /json/i.test(err.message)
+						? "invalid_json"
+						: codeFor(err.status),
 					message: err.message || "request refused",
 				},
 			},
@@ -41,7 +44,10 @@ export const onError: ErrorHandler = (err, c) => {
 		);
 	}
 	console.error("unhandled error", err);
-	return c.json({ error: { code: "internal", message: "internal error" } }, 500);
+	return c.json(
+		{ error: { code: "internal", message: "internal error" } },
+		500,
+	);
 };
 
 function codeFor(status: number): string {
@@ -58,4 +64,12 @@ function codeFor(status: number): string {
 }
 
 export const notFound: NotFoundHandler = (c: Context) =>
-	c.json({ error: { code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` } }, 404);
+	c.json(
+		{
+			error: {
+				code: "not_found",
+				message: `no route for ${c.req.method} ${c.req.path}`,
+			},
+		},
+		404,
+	);

@@ -30,5 +30,6 @@ app.notFound(notFound);
 
 export default {
 	fetch: app.fetch,
-	scheduled: (controller, env, ctx) => ctx.waitUntil(sweep(env, controller.scheduledTime)),
+	scheduled: (controller, env, ctx) =>
+		ctx.waitUntil(sweep(env, controller.scheduledTime)),
 } satisfies ExportedHandler<Env>;

@@ -17,7 +17,12 @@ const admin = allow(["admin"], { root: true });
 /** The project an admin acts on: its own, or (root only) the one it names. */
 function projectOf(p: Principal, named: string | undefined): string {
 	if (p.kind === "root") {
-		if (!named) throw apiError(400, "invalid_request", "project: the root key must name a project");
+		if (!named)
+			throw apiError(
+				400,
+				"invalid_request",
+				"project: the root key must name a project",
+			);
 		return named;
 	}
 	if (named !== undefined && named !== p.project) {
@@ -26,20 +31,34 @@ function projectOf(p: Principal, named: string | undefined): string {
 	return p.project;
 }
 
-keys.post("/", admin, jsonBody(LIMITS.adminBody), valid("json", CreateKeyRequest), async (c) => {
-	const req = c.req.valid("json");
-	const project = projectOf(c.get("principal"), req.project);
-	const exists = await c.env.DB.prepare("select 1 from projects where id = ?1").bind(project).first();
-	if (!exists) throw apiError(404, "project_not_found", `no project ${project}`);
-	const key = newKey();
-	const id = crypto.randomUUID();
-	await c.env.DB.prepare(
-		"insert into api_keys (id, project_id, role, name, hash, created_at) values (?1, ?2, ?3, ?4, ?5, ?6)",
-	)
-		.bind(id, project, req.role, req.name ?? null, hashKey(key), now())
-		.run();
-	return c.json({ id, key, project, role: req.role, name: req.name ?? null }, 201);
-});
+keys.post(
+	"/",
+	admin,
+	jsonBody(LIMITS.adminBody),
+	valid("json", CreateKeyRequest),
+	async (c) => {
+		const req = c.req.valid("json");
+		const project = projectOf(c.get("principal"), req.project);
+		const exists = await c.env.DB.prepare(
+			"select 1 from projects where id = ?1",
+		)
+			.bind(project)
+			.first();
+		if (!exists)
+			throw apiError(404, "project_not_found", `no project ${project}`);
+		const key = newKey();
+		const id = crypto.randomUUID();
+		await c.env.DB.prepare(
+			"insert into api_keys (id, project_id, role, name, hash, created_at) values (?1, ?2, ?3, ?4, ?5, ?6)",
+		)
+			.bind(id, project, req.role, req.name ?? null, hashKey(key), now())
+			.run();
+		return c.json(
+			{ id, key, project, role: req.role, name: req.name ?? null },
+			201,
+		);
+	},
+);
 
 keys.get("/", admin, async (c) => {
 	const project = projectOf(c.get("principal"), c.req.query("project"));
@@ -62,7 +81,9 @@ keys.get("/", admin, async (c) => {
 
 keys.delete("/:id", admin, async (c) => {
 	const p = c.get("principal");
-	const row = await c.env.DB.prepare("select project_id, hash from api_keys where id = ?1")
+	const row = await c.env.DB.prepare(
+		"select project_id, hash from api_keys where id = ?1",
+	)
 		.bind(c.req.param("id"))
 		.first<{ project_id: string; hash: string }>();
 	// Another project's key is reported as missing, not as forbidden: a key
@@ -70,7 +91,9 @@ keys.delete("/:id", admin, async (c) => {
 	if (!row || (p.kind === "key" && row.project_id !== p.project)) {
 		throw apiError(404, "key_not_found", "no such key");
 	}
-	await c.env.DB.prepare("update api_keys set revoked_at = ?2 where id = ?1 and revoked_at is null")
+	await c.env.DB.prepare(
+		"update api_keys set revoked_at = ?2 where id = ?1 and revoked_at is null",
+	)
 		.bind(c.req.param("id"), now())
 		.run();
 	forgetKey(row.hash);

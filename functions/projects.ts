@@ -21,7 +21,8 @@ projects.post(
 		)
 			.bind(name, now())
 			.run();
-		if (r.meta.changes === 0) throw apiError(409, "project_exists", `project ${name} exists`);
+		if (r.meta.changes === 0)
+			throw apiError(409, "project_exists", `project ${name} exists`);
 		return c.json({ id: name, name }, 201);
 	},
 );

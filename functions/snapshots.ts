@@ -20,7 +20,12 @@ function blobKey(project: string, task: string, state: string): string {
 
 function stateParam(raw: string): string {
 	const r = Id.safeParse(raw);
-	if (!r.success) throw apiError(400, "invalid_request", "state: must be 64 lowercase hex digits");
+	if (!r.success)
+		throw apiError(
+			400,
+			"invalid_request",
+			"state: must be 64 lowercase hex digits",
+		);
 	return r.data;
 }
 
@@ -28,21 +33,34 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	const state = stateParam(c.req.param("state"));
 	const driver = c.req.query("driver") ?? "";
 	if (!/^[a-z0-9_-]{1,64}$/.test(driver)) {
-		throw apiError(400, "invalid_request", "driver: give ?driver= (a-z 0-9 _ -, 1-64)");
+		throw apiError(
+			400,
+			"invalid_request",
+			"driver: give ?driver= (a-z 0-9 _ -, 1-64)",
+		);
 	}
 	const length = Number(c.req.header("content-length") ?? NaN);
 	if (!Number.isSafeInteger(length) || length < 0) {
-		throw apiError(400, "length_required", "send the blob with a Content-Length");
+		throw apiError(
+			400,
+			"length_required",
+			"send the blob with a Content-Length",
+		);
 	}
 	if (length > LIMITS.snapshotBody) {
-		throw apiError(413, "too_large", `a snapshot blob may be at most ${LIMITS.snapshotBody} bytes`);
+		throw apiError(
+			413,
+			"too_large",
+			`a snapshot blob may be at most ${LIMITS.snapshotBody} bytes`,
+		);
 	}
 	// A blob for a state the task does not hold yet is allowed: hosts upload
 	// right after executing, before they record. The cron sweeps blobs no node
 	// points at.
 	const { project, task } = c.get("scope");
 	const key = blobKey(project, task, state);
-	const body = c.req.raw.body ?? new ReadableStream({ start: (ctl) => ctl.close() });
+	const body =
+		c.req.raw.body ?? new ReadableStream({ start: (ctl) => ctl.close() });
 	// R2 needs the stream's length up front; FixedLengthStream also refuses a
 	// body that is longer or shorter than it said.
 	const sized = new FixedLengthStream(length);
@@ -58,7 +76,12 @@ snapshots.get("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	const state = stateParam(c.req.param("state"));
 	const { project, task } = c.get("scope");
 	const obj = await c.env.BLOBS.get(blobKey(project, task, state));
-	if (!obj) throw apiError(404, "snapshot_not_found", "no snapshot blob for this state");
+	if (!obj)
+		throw apiError(
+			404,
+			"snapshot_not_found",
+			"no snapshot blob for this state",
+		);
 	return new Response(obj.body, {
 		headers: {
 			"content-type": "application/octet-stream",

@@ -17,7 +17,15 @@ import {
 	type LookupResponse,
 	type Miss,
 } from "../core/api.ts";
-import { callKey, childId, mutates, obsId, pathIds, finalState, ROOT_ID } from "../core/ids.ts";
+import {
+	callKey,
+	childId,
+	mutates,
+	obsId,
+	pathIds,
+	finalState,
+	ROOT_ID,
+} from "../core/ids.ts";
 import type { Result } from "../core/result.ts";
 import type { StoredHit } from "../durable-objects/task-graph.ts";
 import type { AppEnv } from "./app.ts";
@@ -37,7 +45,10 @@ export const tasks = new Hono<AppEnv>();
 const trainer = allow(["trainer", "admin"]);
 
 function leaseTtl(env: Env, ttlMs: number | undefined): number {
-	return Math.min(ttlMs ?? Number(env.LEASE_TTL_MS), Number(env.LEASE_MAX_TTL_MS));
+	return Math.min(
+		ttlMs ?? Number(env.LEASE_TTL_MS),
+		Number(env.LEASE_MAX_TTL_MS),
+	);
 }
 
 /** A hit with its output, fetching a large one from R2. */
@@ -67,31 +78,37 @@ function timing(start: number, parts: Record<string, number>): string {
 	].join(", ");
 }
 
-tasks.get("/", allow(["trainer", "host", "admin"]), valid("query", TaskListQuery), async (c) => {
-	const p = c.get("principal");
-	if (p.kind !== "key") throw apiError(403, "forbidden", "the root admin key sees no task");
-	const { after, limit } = c.req.valid("query");
-	const { results } = await c.env.DB.prepare(
-		`select task, created_at, last_used_at, nodes, snapshots, bytes, lookups, hits
+tasks.get(
+	"/",
+	allow(["trainer", "host", "admin"]),
+	valid("query", TaskListQuery),
+	async (c) => {
+		const p = c.get("principal");
+		if (p.kind !== "key")
+			throw apiError(403, "forbidden", "the root admin key sees no task");
+		const { after, limit } = c.req.valid("query");
+		const { results } = await c.env.DB.prepare(
+			`select task, created_at, last_used_at, nodes, snapshots, bytes, lookups, hits
 		 from tasks where project_id = ?1 and task > ?2 order by task limit ?3`,
-	)
-		.bind(p.project, after ?? "", limit + 1)
-		.all<Record<string, number | string>>();
-	const page = results.slice(0, limit);
-	return c.json({
-		tasks: page.map((r) => ({
-			task: r.task,
-			createdAt: r.created_at,
-			lastUsedAt: r.last_used_at,
-			nodes: r.nodes,
-			snapshots: r.snapshots,
-			bytes: r.bytes,
-			lookups: r.lookups,
-			hits: r.hits,
-		})),
-		next: results.length > limit ? page[page.length - 1].task : null,
-	});
-});
+		)
+			.bind(p.project, after ?? "", limit + 1)
+			.all<Record<string, number | string>>();
+		const page = results.slice(0, limit);
+		return c.json({
+			tasks: page.map((r) => ({
+				task: r.task,
+				createdAt: r.created_at,
+				lastUsedAt: r.last_used_at,
+				nodes: r.nodes,
+				snapshots: r.snapshots,
+				bytes: r.bytes,
+				lookups: r.lookups,
+				hits: r.hits,
+			})),
+			next: results.length > limit ? page[page.length - 1].task : null,
+		});
+	},
+);
 
 tasks.post(
 	"/:task/lookup",
@@ -103,7 +120,11 @@ tasks.post(
 		const start = performance.now();
 		const req = c.req.valid("json");
 		const scope = c.get("scope");
-		const call = { tool: req.call.tool, args: req.call.args ?? null, mutates: mutates(req.call) };
+		const call = {
+			tool: req.call.tool,
+			args: req.call.args ?? null,
+			mutates: mutates(req.call),
+		};
 		const key = callKey(call);
 
 		// The state the call runs at, and its result id, from the client's view.
@@ -125,9 +146,16 @@ tasks.post(
 
 		const edge = cachedHit(c.env, scope, id);
 		if (edge) {
-			const batch = countEdgeHit(scope, { id, tool: edge.tool, execMs: edge.hit.execMs });
+			const batch = countEdgeHit(scope, {
+				id,
+				tool: edge.tool,
+				execMs: edge.hit.execMs,
+			});
 			if (batch) c.executionCtx.waitUntil(sendPending(c.get("graph"), batch));
-			c.header("Server-Timing", timing(start, { edge: performance.now() - start }));
+			c.header(
+				"Server-Timing",
+				timing(start, { edge: performance.now() - start }),
+			);
 			return c.json(edge.hit satisfies LookupResponse);
 		}
 
@@ -157,16 +185,26 @@ tasks.post(
 
 tasks.get("/:task/results/:id", task, trainer, async (c) => {
 	const id = Id.safeParse(c.req.param("id"));
-	if (!id.success) throw apiError(400, "invalid_request", "id: must be 64 lowercase hex digits");
+	if (!id.success)
+		throw apiError(
+			400,
+			"invalid_request",
+			"id: must be 64 lowercase hex digits",
+		);
 	const scope = c.get("scope");
 	const edge = cachedHit(c.env, scope, id.data);
 	if (edge) {
-		const batch = countEdgeHit(scope, { id: id.data, tool: edge.tool, execMs: edge.hit.execMs });
+		const batch = countEdgeHit(scope, {
+			id: id.data,
+			tool: edge.tool,
+			execMs: edge.hit.execMs,
+		});
 		if (batch) c.executionCtx.waitUntil(sendPending(c.get("graph"), batch));
 		return c.json(edge.hit);
 	}
 	const r = await c.get("graph").result(scope, id.data);
-	if (r === null) throw apiError(404, "not_found", "no result with this id is recorded");
+	if (r === null)
+		throw apiError(404, "not_found", "no result with this id is recorded");
 	const hit = await materialize(c.env, r.hit);
 	rememberHit(c.env, scope, r.tool, hit);
 	return c.json(hit);
@@ -184,8 +222,15 @@ tasks.post(
 		const encoder = new TextEncoder();
 		for (const [i, call] of req.calls.entries()) {
 			// Strings are at most 3 UTF-8 bytes a code unit; only measure when close.
-			if (call.output.length * 3 > maxOutput && encoder.encode(call.output).byteLength > maxOutput) {
-				throw apiError(413, "output_too_large", `calls.${i}.output is larger than ${maxOutput} bytes`);
+			if (
+				call.output.length * 3 > maxOutput &&
+				encoder.encode(call.output).byteLength > maxOutput
+			) {
+				throw apiError(
+					413,
+					"output_too_large",
+					`calls.${i}.output is larger than ${maxOutput} bytes`,
+				);
 			}
 		}
 		const steps = pathIds(req.calls, req.from);
@@ -206,7 +251,8 @@ tasks.post(
 			}),
 		);
 		// The graph computes the final state the same way; say so if it ever does not.
-		if (r.state !== finalState(req.calls, req.from)) throw new Error("final state mismatch");
+		if (r.state !== finalState(req.calls, req.from))
+			throw new Error("final state mismatch");
 		return c.json(r);
 	},
 );
@@ -220,7 +266,9 @@ tasks.post(
 	async (c) => {
 		const { state, ttlMs } = c.req.valid("json");
 		const lease = unwrap(
-			await c.get("graph").acquireLease(c.get("scope"), state, leaseTtl(c.env, ttlMs)),
+			await c
+				.get("graph")
+				.acquireLease(c.get("scope"), state, leaseTtl(c.env, ttlMs)),
 		);
 		return c.json(lease, 201);
 	},
@@ -235,27 +283,44 @@ tasks.post(
 	async (c) => {
 		const { ttlMs } = c.req.valid("json");
 		const lease = unwrap(
-			await c.get("graph").renewLease(c.req.param("lease"), leaseTtl(c.env, ttlMs)),
+			await c
+				.get("graph")
+				.renewLease(c.req.param("lease"), leaseTtl(c.env, ttlMs)),
 		);
 		return c.json(lease);
 	},
 );
 
 tasks.delete("/:task/leases/:lease", task, trainer, async (c) => {
-	return c.json(unwrap(await c.get("graph").releaseLease(c.req.param("lease"))));
+	return c.json(
+		unwrap(await c.get("graph").releaseLease(c.req.param("lease"))),
+	);
 });
 
-tasks.get("/:task/stats", task, allow(["trainer", "host", "admin"]), async (c) => {
-	const scope = c.get("scope");
-	await sendPending(c.get("graph"), takePending(scope));
-	const stats = await c.get("graph").stats(scope);
-	if (stats === null) throw apiError(404, "task_not_found", "this task has nothing recorded");
-	return c.json(stats);
-});
+tasks.get(
+	"/:task/stats",
+	task,
+	allow(["trainer", "host", "admin"]),
+	async (c) => {
+		const scope = c.get("scope");
+		await sendPending(c.get("graph"), takePending(scope));
+		const stats = await c.get("graph").stats(scope);
+		if (stats === null)
+			throw apiError(404, "task_not_found", "this task has nothing recorded");
+		return c.json(stats);
+	},
+);
 
-tasks.get("/:task/graph", task, allow(["trainer", "host", "admin"]), valid("query", GraphQuery), async (c) => {
-	const { after, limit } = c.req.valid("query");
-	const page = await c.get("graph").graph(after ?? 0, limit);
-	if (page === null) throw apiError(404, "task_not_found", "this task has nothing recorded");
-	return c.json(page);
-});
+tasks.get(
+	"/:task/graph",
+	task,
+	allow(["trainer", "host", "admin"]),
+	valid("query", GraphQuery),
+	async (c) => {
+		const { after, limit } = c.req.valid("query");
+		const page = await c.get("graph").graph(after ?? 0, limit);
+		if (page === null)
+			throw apiError(404, "task_not_found", "this task has nothing recorded");
+		return c.json(page);
+	},
+);

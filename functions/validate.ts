@@ -9,10 +9,10 @@ import { bodyLimit } from "hono/body-limit";
 import { z } from "zod";
 import { apiError } from "./errors.ts";
 
-export function valid<T extends z.ZodType, Target extends keyof ValidationTargets>(
-	target: Target,
-	schema: T,
-) {
+export function valid<
+	T extends z.ZodType,
+	Target extends keyof ValidationTargets,
+>(target: Target, schema: T) {
 	return zValidator(target, schema, (result) => {
 		if (!result.success) {
 			const issue = result.error.issues[0];

@@ -3,7 +3,13 @@
  * the task index that listing and the cron sweep page through. The tool call
  * graphs themselves live in the task graph Durable Objects, not here.
  */
-import { index, integer, primaryKey, sqliteTable, text } from "drizzle-orm/sqlite-core";
+import {
+	index,
+	integer,
+	primaryKey,
+	sqliteTable,
+	text,
+} from "drizzle-orm/sqlite-core";
 
 export const projects = sqliteTable("projects", {
 	id: text("id").primaryKey(),

@@ -4,7 +4,13 @@
  * only on purpose (`npx tsx test/vectors/generate.ts`), never to make a test pass.
  */
 import { writeFileSync } from "node:fs";
-import { ROOT_ID, callKey, canonicalCall, pathIds, type Call } from "../../core/ids.ts";
+import {
+	ROOT_ID,
+	callKey,
+	canonicalCall,
+	pathIds,
+	type Call,
+} from "../../core/ids.ts";
 
 // Arguments are written as JSON text and parsed, as a server would receive them.
 const calls: { tool: string; args: string | undefined }[] = [
@@ -16,12 +22,27 @@ const calls: { tool: string; args: string | undefined }[] = [
 	{ tool: "", args: `""` },
 	{ tool: "echo", args: `{"text":""}` },
 	{ tool: "unicode", args: `{"text":"héllo wörld — 你好 😀","key":"\\u20ac"}` },
-	{ tool: "unicode-keys", args: `{"\\u20ac":1,"\\r":2,"\\ufb33":3,"1":4,"\\ud83d\\ude00":5,"\\u0080":6,"\\u00f6":7}` },
-	{ tool: "escapes", args: `"\\u20ac$\\u000F\\u000aA'\\u0042\\u0022\\u005c\\\\\\"\\/"` },
-	{ tool: "numbers", args: `[0, -0, -0.0, 1, -1, 1.5, 0.1, 1e21, 1e-7, 1E30, 4.50, 2e-3, 333333333.33333329, 9007199254740993, 0.000000000000000000000000001, 123456789012345680000]` },
-	{ tool: "nested", args: `{"z":{"y":[{"b":2,"a":1},[3,{"d":null,"c":true}]],"x":false},"a":{}}` },
+	{
+		tool: "unicode-keys",
+		args: `{"\\u20ac":1,"\\r":2,"\\ufb33":3,"1":4,"\\ud83d\\ude00":5,"\\u0080":6,"\\u00f6":7}`,
+	},
+	{
+		tool: "escapes",
+		args: `"\\u20ac$\\u000F\\u000aA'\\u0042\\u0022\\u005c\\\\\\"\\/"`,
+	},
+	{
+		tool: "numbers",
+		args: `[0, -0, -0.0, 1, -1, 1.5, 0.1, 1e21, 1e-7, 1E30, 4.50, 2e-3, 333333333.33333329, 9007199254740993, 0.000000000000000000000000001, 123456789012345680000]`,
+	},
+	{
+		tool: "nested",
+		args: `{"z":{"y":[{"b":2,"a":1},[3,{"d":null,"c":true}]],"x":false},"a":{}}`,
+	},
 	{ tool: "array", args: `[1,"two",[3],{"four":4},null,true]` },
-	{ tool: "sql", args: `{"query":"SELECT Name FROM Artist WHERE ArtistId = 1;"}` },
+	{
+		tool: "sql",
+		args: `{"query":"SELECT Name FROM Artist WHERE ArtistId = 1;"}`,
+	},
 	{ tool: "emoji-tool-😀", args: `{}` },
 ];
 
@@ -29,8 +50,16 @@ function parse(args: string | undefined): unknown {
 	return args === undefined ? undefined : JSON.parse(args);
 }
 
-const M = (cmd: string): Call => ({ tool: "bash", args: { cmd }, mutates: true });
-const R = (cmd: string): Call => ({ tool: "bash", args: { cmd }, mutates: false });
+const M = (cmd: string): Call => ({
+	tool: "bash",
+	args: { cmd },
+	mutates: true,
+});
+const R = (cmd: string): Call => ({
+	tool: "bash",
+	args: { cmd },
+	mutates: false,
+});
 
 const paths: Call[][] = [
 	[],
@@ -60,7 +89,11 @@ const vectors = {
 		};
 	}),
 	paths: paths.map((p) => ({
-		calls: p.map((c) => ({ tool: c.tool, args: c.args ?? null, mutates: c.mutates ?? true })),
+		calls: p.map((c) => ({
+			tool: c.tool,
+			args: c.args ?? null,
+			mutates: c.mutates ?? true,
+		})),
 		ids: pathIds(p).map((s) => s.id),
 	})),
 };
@@ -72,4 +105,6 @@ calls.forEach(({ args }, i) => {
 	if (args !== undefined) text = text.replace(`"@@args${i}@@"`, args);
 });
 writeFileSync(new URL("./ids.json", import.meta.url), text + "\n");
-console.log(`wrote ${vectors.calls.length} calls and ${vectors.paths.length} paths`);
+console.log(
+	`wrote ${vectors.calls.length} calls and ${vectors.paths.length} paths`,
+);

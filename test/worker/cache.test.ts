@@ -2,7 +2,14 @@ import { env } from "cloudflare:workers";
 import { abortAllDurableObjects } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
 import { callKey, childId, obsId } from "../../core/ids.ts";
-import { ROOT_ID, bash, expectError, project, run, taskApi } from "./helpers.ts";
+import {
+	ROOT_ID,
+	bash,
+	expectError,
+	project,
+	run,
+	taskApi,
+} from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
 beforeAll(async () => {
@@ -31,9 +38,16 @@ describe("lookup and record", () => {
 		const id = childId(ROOT_ID, callKey(M1));
 		expect(miss.body.id).toBe(id);
 
-		const rec = await t.record({ from: ROOT_ID, calls: [run(M1, "cloned", 3000)] });
+		const rec = await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "cloned", 3000)],
+		});
 		expect(rec.status).toBe(200);
-		expect(rec.body).toEqual({ state: id, results: [{ id, status: "recorded" }], conflicts: 0 });
+		expect(rec.body).toEqual({
+			state: id,
+			results: [{ id, status: "recorded" }],
+			conflicts: 0,
+		});
 
 		const hit = await t.lookup({ history: [], call: M1 });
 		expect(hit.body).toEqual({
@@ -50,8 +64,14 @@ describe("lookup and record", () => {
 
 	it("keys on the state path: the same call after a patch is a different entry", async () => {
 		const t = taskApi(keys.trainer, "patch");
-		await t.record({ from: ROOT_ID, calls: [run(M1, "cloned"), run(R1, "old body")] });
-		await t.record({ from: ROOT_ID, calls: [run(M1, "cloned"), run(M2, "patched"), run(R1, "new body")] });
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "cloned"), run(R1, "old body")],
+		});
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "cloned"), run(M2, "patched"), run(R1, "new body")],
+		});
 
 		const before = await t.lookup({ history: [M1], call: R1 });
 		const after = await t.lookup({ history: [M1, M2], call: R1 });
@@ -61,14 +81,23 @@ describe("lookup and record", () => {
 
 	it("skips stateless calls when matching, in any order", async () => {
 		const t = taskApi(keys.trainer, "stateless");
-		await t.record({ from: ROOT_ID, calls: [run(M1, "a"), run(R1, "r1"), run(M2, "b"), run(R2, "r2")] });
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "a"), run(R1, "r1"), run(M2, "b"), run(R2, "r2")],
+		});
 		// The same state path with the reads moved around, or absent.
-		for (const history of [[M1, M2], [R1, M1, R2, M2], [M1, R2, R1, M2, R1]]) {
+		for (const history of [
+			[M1, M2],
+			[R1, M1, R2, M2],
+			[M1, R2, R1, M2, R1],
+		]) {
 			const r = await t.lookup({ history, call: R2 });
 			expect(r.body).toMatchObject({ status: "hit", output: "r2" });
 		}
 		const s1 = childId(ROOT_ID, callKey(M1));
-		expect((await t.lookup({ history: [R2, M1], call: R1 })).body).toMatchObject({
+		expect(
+			(await t.lookup({ history: [R2, M1], call: R1 })).body,
+		).toMatchObject({
 			status: "hit",
 			id: obsId(s1, callKey(R1)),
 			state: s1,
@@ -83,7 +112,12 @@ describe("lookup and record", () => {
 		const r = await t.lookup({ history: [M1, R1, M2, R2], call: M3 });
 		const s1 = childId(ROOT_ID, callKey(M1));
 		const s2 = childId(s1, callKey(M2));
-		expect(r.body).toMatchObject({ status: "miss", state: s1, depth: 1, resume: ROOT_ID });
+		expect(r.body).toMatchObject({
+			status: "miss",
+			state: s1,
+			depth: 1,
+			resume: ROOT_ID,
+		});
 		// From the root (no snapshot): M1 (held) and M2 (unseen); never the reads.
 		expect(r.body.replay).toEqual([
 			{ tool: "bash", args: M1.args, id: s1 },
@@ -94,11 +128,22 @@ describe("lookup and record", () => {
 
 	it("looks up by cursor, and refuses a cursor the task does not hold with 409", async () => {
 		const t = taskApi(keys.trainer, "cursor");
-		const rec = await t.record({ from: ROOT_ID, calls: [run(M1, "a"), run(M2, "b")] });
+		const rec = await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "a"), run(M2, "b")],
+		});
 		const hit = await t.lookup({ cursor: rec.body.results[0].id, call: M2 });
-		expect(hit.body).toMatchObject({ status: "hit", output: "b", state: rec.body.state });
+		expect(hit.body).toMatchObject({
+			status: "hit",
+			output: "b",
+			state: rec.body.state,
+		});
 		const miss = await t.lookup({ cursor: rec.body.state, call: R1 });
-		expect(miss.body).toMatchObject({ status: "miss", depth: 2, resume: ROOT_ID });
+		expect(miss.body).toMatchObject({
+			status: "miss",
+			depth: 2,
+			resume: ROOT_ID,
+		});
 		expect(miss.body.replay.map((c: { id: string }) => c.id)).toEqual(
 			rec.body.results.map((r: { id: string }) => r.id),
 		);
@@ -111,7 +156,11 @@ describe("lookup and record", () => {
 	it("resumes from the deepest snapshot on the matched path and replays only below it", async () => {
 		const t = taskApi(keys.trainer, "snap");
 		const M3 = bash("make");
-		const snap = { driver: "workspace", key: "snapshots/cache/snap/x", bytes: 42 };
+		const snap = {
+			driver: "workspace",
+			key: "snapshots/cache/snap/x",
+			bytes: 42,
+		};
 		await t.record({
 			from: ROOT_ID,
 			calls: [run(M1, "a"), { ...run(M2, "b"), snapshot: snap }, run(M3, "c")],
@@ -133,7 +182,11 @@ describe("lookup and record", () => {
 		expect(r.body.lease.expiresAt).toBeGreaterThan(Date.now());
 		expect((await t.stats()).body.leases).toBe(1);
 
-		const noLease = await t.lookup({ history: [M1, M2, M3], call: M4, lease: false });
+		const noLease = await t.lookup({
+			history: [M1, M2, M3],
+			call: M4,
+			lease: false,
+		});
 		expect(noLease.body.lease).toBeNull();
 	});
 
@@ -143,7 +196,9 @@ describe("lookup and record", () => {
 		await t.record(body);
 		const graph1 = (await t.graph()).body;
 		const again = await t.record(body);
-		expect(again.body.results.map((r: { status: string }) => r.status)).toEqual(["exists", "exists"]);
+		expect(again.body.results.map((r: { status: string }) => r.status)).toEqual(
+			["exists", "exists"],
+		);
 		expect(again.body.conflicts).toBe(0);
 		expect((await t.graph()).body.nodes).toEqual(graph1.nodes);
 	});
@@ -151,13 +206,21 @@ describe("lookup and record", () => {
 	it("keeps the first output when a later record differs, reports it, and flags the tool", async () => {
 		const t = taskApi(keys.trainer, "conflict");
 		await t.record({ from: ROOT_ID, calls: [run(bash("date"), "Monday")] });
-		const again = await t.record({ from: ROOT_ID, calls: [run(bash("date"), "Tuesday")] });
+		const again = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("date"), "Tuesday")],
+		});
 		expect(again.body.results[0].status).toBe("conflict");
 		expect(again.body.conflicts).toBe(1);
-		const exitDiffers = await t.record({ from: ROOT_ID, calls: [run(bash("date"), "Monday", 100, 1)] });
+		const exitDiffers = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("date"), "Monday", 100, 1)],
+		});
 		expect(exitDiffers.body.results[0].status).toBe("conflict");
 
-		expect((await t.lookup({ history: [], call: bash("date") })).body.output).toBe("Monday");
+		expect(
+			(await t.lookup({ history: [], call: bash("date") })).body.output,
+		).toBe("Monday");
 		const stats = (await t.stats()).body;
 		expect(stats.conflicts).toBe(2);
 		expect(stats.tools.bash.nondeterministic).toBe(true);
@@ -166,12 +229,18 @@ describe("lookup and record", () => {
 	it("records from a held state, and refuses an unknown `from` with 409 writing nothing", async () => {
 		const t = taskApi(keys.trainer, "from");
 		const first = await t.record({ from: ROOT_ID, calls: [run(M1, "a")] });
-		const next = await t.record({ from: first.body.state, calls: [run(M2, "b")] });
+		const next = await t.record({
+			from: first.body.state,
+			calls: [run(M2, "b")],
+		});
 		expect(next.status).toBe(200);
 		expect((await t.lookup({ history: [M1], call: M2 })).body.output).toBe("b");
 
 		const before = (await t.graph()).body.nodes.length;
-		const bad = await t.record({ from: childId(ROOT_ID, callKey(R1)), calls: [run(M2, "b")] });
+		const bad = await t.record({
+			from: childId(ROOT_ID, callKey(R1)),
+			calls: [run(M2, "b")],
+		});
 		expectError(bad, 409, "unknown_state");
 		expect((await t.graph()).body.nodes.length).toBe(before);
 	});
@@ -185,11 +254,17 @@ describe("lookup and record", () => {
 		expect(listed.objects).toHaveLength(1);
 		expect((await t.lookup({ history: [], call: M1 })).body.output).toBe(big);
 		// The same large output again is `exists`, a different one a conflict; neither adds a blob.
-		expect((await t.record({ from: ROOT_ID, calls: [run(M1, big)] })).body.results[0].status).toBe("exists");
-		expect((await t.record({ from: ROOT_ID, calls: [run(M1, big + "!")] })).body.results[0].status).toBe(
-			"conflict",
-		);
-		expect((await env.BLOBS.list({ prefix: "outputs/cache/large/" })).objects).toHaveLength(1);
+		expect(
+			(await t.record({ from: ROOT_ID, calls: [run(M1, big)] })).body.results[0]
+				.status,
+		).toBe("exists");
+		expect(
+			(await t.record({ from: ROOT_ID, calls: [run(M1, big + "!")] })).body
+				.results[0].status,
+		).toBe("conflict");
+		expect(
+			(await env.BLOBS.list({ prefix: "outputs/cache/large/" })).objects,
+		).toHaveLength(1);
 	});
 
 	it("answers a result by id, and 404 for one never recorded", async () => {
@@ -197,7 +272,11 @@ describe("lookup and record", () => {
 		const rec = await t.record({ from: ROOT_ID, calls: [run(M1, "a")] });
 		const r = await t.result(rec.body.state);
 		expect(r.body).toMatchObject({ status: "hit", output: "a" });
-		expectError(await t.result(childId(ROOT_ID, callKey(M2))), 404, "not_found");
+		expectError(
+			await t.result(childId(ROOT_ID, callKey(M2))),
+			404,
+			"not_found",
+		);
 		expectError(await t.result("not-an-id"), 400, "invalid_request");
 	});
 
@@ -217,16 +296,22 @@ describe("lookup and record", () => {
 
 	it("keeps every acknowledged record across a restart of the task graph", async () => {
 		const t = taskApi(keys.trainer, "restart");
-		const rec = await t.record({ from: ROOT_ID, calls: [run(M1, "a"), run(M2, "b"), run(R1, "r")] });
+		const rec = await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "a"), run(M2, "b"), run(R1, "r")],
+		});
 		await abortAllDurableObjects();
 		// A cursor only works if the rebuilt index knows the state.
-		expect((await t.lookup({ cursor: rec.body.state, call: R1 })).body).toMatchObject({
+		expect(
+			(await t.lookup({ cursor: rec.body.state, call: R1 })).body,
+		).toMatchObject({
 			status: "hit",
 			output: "r",
 		});
-		expect((await t.record({ from: ROOT_ID, calls: [run(M1, "a")] })).body.results[0].status).toBe(
-			"exists",
-		);
+		expect(
+			(await t.record({ from: ROOT_ID, calls: [run(M1, "a")] })).body.results[0]
+				.status,
+		).toBe("exists");
 		expect((await t.stats()).body.nodes).toBe(4);
 	});
 });
@@ -235,9 +320,18 @@ describe("stats and graph", () => {
 	it("counts lookups, hits, misses and time saved per tool", async () => {
 		const t = taskApi(keys.trainer, "stats");
 		await t.lookup({ history: [], call: M1 });
-		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 1000), run({ tool: "sql", args: "select 1", mutates: false }, "1", 5)] });
+		await t.record({
+			from: ROOT_ID,
+			calls: [
+				run(M1, "a", 1000),
+				run({ tool: "sql", args: "select 1", mutates: false }, "1", 5),
+			],
+		});
 		await t.lookup({ history: [], call: M1 });
-		await t.lookup({ history: [M1], call: { tool: "sql", args: "select 1", mutates: false } });
+		await t.lookup({
+			history: [M1],
+			call: { tool: "sql", args: "select 1", mutates: false },
+		});
 		const s = (await t.stats()).body;
 		expect(s).toMatchObject({
 			task: "stats",
@@ -252,12 +346,19 @@ describe("stats and graph", () => {
 			outputBytes: 2,
 		});
 		expect(s.hitRate).toBeCloseTo(2 / 3);
-		expect(s.tools.sql).toMatchObject({ lookups: 1, hits: 1, records: 1, nondeterministic: false });
+		expect(s.tools.sql).toMatchObject({
+			lookups: 1,
+			hits: 1,
+			records: 1,
+			nondeterministic: false,
+		});
 	});
 
 	it("exports the tree in pages, parents before children", async () => {
 		const t = taskApi(keys.trainer, "pages");
-		const calls = Array.from({ length: 7 }, (_, i) => run(bash(`step ${i}`), `out ${i}`));
+		const calls = Array.from({ length: 7 }, (_, i) =>
+			run(bash(`step ${i}`), `out ${i}`),
+		);
 		await t.record({ from: ROOT_ID, calls });
 		const seen: { id: string; parent: string | null; depth: number }[] = [];
 		let after: number | null = 0;
@@ -274,7 +375,12 @@ describe("stats and graph", () => {
 		for (const [i, n] of seen.entries()) {
 			if (i > 0) expect(n.parent).toBe(seen[i - 1].id);
 		}
-		expect(seen[3]).toMatchObject({ kind: "state", tool: "bash", args: { cmd: "step 2" }, hits: 0 });
+		expect(seen[3]).toMatchObject({
+			kind: "state",
+			tool: "bash",
+			args: { cmd: "step 2" },
+			hits: 0,
+		});
 	});
 
 	it("says 404 for the stats and graph of a task with nothing in it", async () => {

@@ -17,7 +17,12 @@ export interface Reply<T = any> {
 export async function api<T = any>(
 	method: string,
 	path: string,
-	opts: { key?: string; json?: unknown; body?: BodyInit; headers?: Record<string, string> } = {},
+	opts: {
+		key?: string;
+		json?: unknown;
+		body?: BodyInit;
+		headers?: Record<string, string>;
+	} = {},
 ): Promise<Reply<T>> {
 	const headers: Record<string, string> = { ...opts.headers };
 	if (opts.key !== undefined) headers.authorization = `Bearer ${opts.key}`;
@@ -31,29 +36,56 @@ export async function api<T = any>(
 	);
 	const text = await res.text();
 	const isJson = res.headers.get("content-type")?.includes("json");
-	return { status: res.status, body: (isJson ? JSON.parse(text) : text) as T, headers: res.headers };
+	return {
+		status: res.status,
+		body: (isJson ? JSON.parse(text) : text) as T,
+		headers: res.headers,
+	};
 }
 
 /** Asserts an error reply: its status and code, and the JSON error shape. */
 export function expectError(r: Reply, status: number, code: string): void {
-	expect({ status: r.status, code: r.body?.error?.code }).toEqual({ status, code });
+	expect({ status: r.status, code: r.body?.error?.code }).toEqual({
+		status,
+		code,
+	});
 	expect(typeof r.body.error.message).toBe("string");
 }
 
 /** Creates a project and returns a key of each role in it. */
 export async function project(name: string) {
-	const p = await api("POST", "/v1/projects", { key: ROOT_KEY, json: { name } });
+	const p = await api("POST", "/v1/projects", {
+		key: ROOT_KEY,
+		json: { name },
+	});
 	expect(p.status).toBe(201);
 	const key = async (role: string) => {
-		const r = await api("POST", "/v1/keys", { key: ROOT_KEY, json: { project: name, role } });
+		const r = await api("POST", "/v1/keys", {
+			key: ROOT_KEY,
+			json: { project: name, role },
+		});
 		expect(r.status).toBe(201);
 		return r.body.key as string;
 	};
-	return { name, trainer: await key("trainer"), host: await key("host"), admin: await key("admin") };
+	return {
+		name,
+		trainer: await key("trainer"),
+		host: await key("host"),
+		admin: await key("admin"),
+	};
 }
 
-export const bash = (cmd: string, mutates = true): Call => ({ tool: "bash", args: { cmd }, mutates });
-export const run = (call: Call, output: string, execMs = 100, exitCode = 0): RecordedCall => ({
+export const bash = (cmd: string, mutates = true): Call => ({
+	tool: "bash",
+	args: { cmd },
+	mutates,
+});
+export const run = (
+	call: Call,
+	output: string,
+	execMs = 100,
+	exitCode = 0,
+): RecordedCall => ({
 	...call,
 	output,
 	execMs,
@@ -70,7 +102,8 @@ export function taskApi(key: string, task: string) {
 		graph: (q = "") => api("GET", `${base}/graph${q}`, { key }),
 		result: (id: string) => api("GET", `${base}/results/${id}`, { key }),
 		lease: (json: unknown) => api("POST", `${base}/leases`, { key, json }),
-		renew: (id: string, json: unknown = {}) => api("POST", `${base}/leases/${id}/renew`, { key, json }),
+		renew: (id: string, json: unknown = {}) =>
+			api("POST", `${base}/leases/${id}/renew`, { key, json }),
 		release: (id: string) => api("DELETE", `${base}/leases/${id}`, { key }),
 	};
 }

@@ -1,5 +1,11 @@
 import { describe, expect, it } from "vitest";
-import { ROOT_ID, callKey, canonicalCall, pathIds, type Call } from "../../core/ids.ts";
+import {
+	ROOT_ID,
+	callKey,
+	canonicalCall,
+	pathIds,
+	type Call,
+} from "../../core/ids.ts";
 import vectors from "../vectors/ids.json";
 import canonicalize from "canonicalize";
 
@@ -16,9 +22,12 @@ describe("canonical ids", () => {
 		},
 	);
 
-	it.each(vectors.paths.map((v, i) => [i, v] as const))("reproduces path vector %i", (_i, v) => {
-		expect(pathIds(v.calls).map((s) => s.id)).toEqual(v.ids);
-	});
+	it.each(vectors.paths.map((v, i) => [i, v] as const))(
+		"reproduces path vector %i",
+		(_i, v) => {
+			expect(pathIds(v.calls).map((s) => s.id)).toEqual(v.ids);
+		},
+	);
 
 	it("ignores key order, and `mutates` is not part of the key", () => {
 		const a = callKey({ tool: "t", args: { a: 1, b: [1, { d: 2, c: 3 }] } });
@@ -45,7 +54,9 @@ describe("canonical ids", () => {
 	});
 
 	it("keeps stateless calls off the state path", () => {
-		const v = vectors.paths.find((p) => p.calls.length === 4 && p.calls[1].mutates === false)!;
+		const v = vectors.paths.find(
+			(p) => p.calls.length === 4 && p.calls[1].mutates === false,
+		)!;
 		const steps = pathIds(v.calls);
 		// R1 runs at the state after M1; M2's state follows M1's directly.
 		expect(steps[1].state).toBe(steps[0].id);

@@ -2,19 +2,34 @@ import { env } from "cloudflare:workers";
 import { runDurableObjectAlarm, runInDurableObject } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
 import { advanceClock, now } from "../../core/clock.ts";
-import { ROOT_ID, bash, expectError, project, run, taskApi } from "./helpers.ts";
+import {
+	ROOT_ID,
+	bash,
+	expectError,
+	project,
+	run,
+	taskApi,
+} from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
 beforeAll(async () => {
 	keys = await project("leases");
 });
 
-const stub = (task: string) => env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`leases/${task}`));
+const stub = (task: string) =>
+	env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`leases/${task}`));
 
 async function snapshotted(task: string) {
 	const t = taskApi(keys.trainer, task);
-	const snap = { driver: "workspace", key: `snapshots/leases/${task}/s`, bytes: 10 };
-	const rec = await t.record({ from: ROOT_ID, calls: [{ ...run(bash("setup"), "ok"), snapshot: snap }] });
+	const snap = {
+		driver: "workspace",
+		key: `snapshots/leases/${task}/s`,
+		bytes: 10,
+	};
+	const rec = await t.record({
+		from: ROOT_ID,
+		calls: [{ ...run(bash("setup"), "ok"), snapshot: snap }],
+	});
 	return { t, state: rec.body.state as string };
 }
 
@@ -31,7 +46,10 @@ describe("leases", () => {
 		expect(renewed.body.expiresAt).toBeGreaterThan(l.body.expiresAt);
 		expect((await t.stats()).body.leases).toBe(1);
 
-		expect((await t.release(l.body.id)).body).toEqual({ id: l.body.id, released: true });
+		expect((await t.release(l.body.id)).body).toEqual({
+			id: l.body.id,
+			released: true,
+		});
 		expect((await t.stats()).body.leases).toBe(0);
 		expectError(await t.release(l.body.id), 404, "lease_not_found");
 	});
@@ -70,12 +88,18 @@ describe("leases", () => {
 	it("caps a lease's time at the configured maximum", async () => {
 		const { t, state } = await snapshotted("cap");
 		const l = await t.lease({ state, ttlMs: 10 ** 9 });
-		expect(l.body.expiresAt).toBeLessThanOrEqual(now() + Number(env.LEASE_MAX_TTL_MS));
+		expect(l.body.expiresAt).toBeLessThanOrEqual(
+			now() + Number(env.LEASE_MAX_TTL_MS),
+		);
 	});
 
 	it("refuses a lease on a state the task does not hold, with 404", async () => {
 		const { t } = await snapshotted("unknown");
-		expectError(await t.lease({ state: "a".repeat(64) }), 404, "state_not_found");
+		expectError(
+			await t.lease({ state: "a".repeat(64) }),
+			404,
+			"state_not_found",
+		);
 		expect((await t.stats()).body.leases).toBe(0);
 	});
 });
@@ -83,14 +107,24 @@ describe("leases", () => {
 describe("the task index", () => {
 	it("lists a task after its graph writes the index from its alarm", async () => {
 		const t = taskApi(keys.trainer, "indexed");
-		await t.record({ from: ROOT_ID, calls: [run(bash("a"), "1"), run(bash("b"), "2")] });
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("a"), "1"), run(bash("b"), "2")],
+		});
 		await t.lookup({ history: [], call: bash("a") });
 		advanceClock(3000);
 		await runDurableObjectAlarm(stub("indexed"));
 		const { api } = await import("./helpers.ts");
 		const list = await api("GET", "/v1/tasks?limit=100", { key: keys.trainer });
 		expect(list.status).toBe(200);
-		const row = list.body.tasks.find((x: { task: string }) => x.task === "indexed");
-		expect(row).toMatchObject({ task: "indexed", nodes: 3, lookups: 1, hits: 1 });
+		const row = list.body.tasks.find(
+			(x: { task: string }) => x.task === "indexed",
+		);
+		expect(row).toMatchObject({
+			task: "indexed",
+			nodes: 3,
+			lookups: 1,
+			hits: 1,
+		});
 	});
 });

@@ -1,64 +1,115 @@
 import { env } from "cloudflare:workers";
 import { beforeAll, describe, expect, it } from "vitest";
-import { ROOT_ID, api, bash, expectError, project, run, taskApi } from "./helpers.ts";
+import {
+	ROOT_ID,
+	api,
+	bash,
+	expectError,
+	project,
+	run,
+	taskApi,
+} from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
 beforeAll(async () => {
 	keys = await project("snaps");
 });
 
-const bytes = (n: number) => Uint8Array.from({ length: n }, (_, i) => (i * 31 + 7) & 0xff);
+const bytes = (n: number) =>
+	Uint8Array.from({ length: n }, (_, i) => (i * 31 + 7) & 0xff);
 
 describe("snapshot blobs", () => {
 	it("streams a blob into R2 and back, byte for byte, and a record points the node at it", async () => {
 		const t = taskApi(keys.trainer, "roundtrip");
-		const rec = await t.record({ from: ROOT_ID, calls: [run(bash("build"), "built")] });
+		const rec = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("build"), "built")],
+		});
 		const state = rec.body.state;
 		const blob = bytes(300_000);
-		const up = await api("PUT", `/v1/tasks/roundtrip/snapshots/${state}?driver=workspace`, {
-			key: keys.host,
-			body: blob,
-		});
+		const up = await api(
+			"PUT",
+			`/v1/tasks/roundtrip/snapshots/${state}?driver=workspace`,
+			{
+				key: keys.host,
+				body: blob,
+			},
+		);
 		expect(up.status).toBe(201);
-		expect(up.body).toEqual({ driver: "workspace", key: `snapshots/snaps/roundtrip/${state}`, bytes: blob.length });
+		expect(up.body).toEqual({
+			driver: "workspace",
+			key: `snapshots/snaps/roundtrip/${state}`,
+			bytes: blob.length,
+		});
 
-		const res = await (await import("cloudflare:workers")).exports.default.fetch(
-			new Request(`https://trellis.test/v1/tasks/roundtrip/snapshots/${state}`, {
-				headers: { authorization: `Bearer ${keys.trainer}` },
-			}),
+		const res = await (
+			await import("cloudflare:workers")
+		).exports.default.fetch(
+			new Request(
+				`https://trellis.test/v1/tasks/roundtrip/snapshots/${state}`,
+				{
+					headers: { authorization: `Bearer ${keys.trainer}` },
+				},
+			),
 		);
 		expect(res.status).toBe(200);
 		expect(res.headers.get("x-trellis-driver")).toBe("workspace");
 		expect(new Uint8Array(await res.arrayBuffer())).toEqual(blob);
 
 		// Point the node at it (a record of the same call adds the snapshot).
-		const again = await t.record({ from: ROOT_ID, calls: [{ ...run(bash("build"), "built"), snapshot: up.body }] });
+		const again = await t.record({
+			from: ROOT_ID,
+			calls: [{ ...run(bash("build"), "built"), snapshot: up.body }],
+		});
 		expect(again.body.results[0].status).toBe("exists");
-		const miss = await t.lookup({ history: [bash("build")], call: bash("test") });
+		const miss = await t.lookup({
+			history: [bash("build")],
+			call: bash("test"),
+		});
 		expect(miss.body.snapshot).toEqual({ ...up.body, state, depth: 1 });
-		expect((await t.stats()).body).toMatchObject({ snapshots: 1, snapshotBytes: blob.length });
+		expect((await t.stats()).body).toMatchObject({
+			snapshots: 1,
+			snapshotBytes: blob.length,
+		});
 	});
 
 	it("answers 404 for a state with no blob", async () => {
-		const r = await api("GET", `/v1/tasks/roundtrip/snapshots/${"c".repeat(64)}`, { key: keys.trainer });
+		const r = await api(
+			"GET",
+			`/v1/tasks/roundtrip/snapshots/${"c".repeat(64)}`,
+			{ key: keys.trainer },
+		);
 		expectError(r, 404, "snapshot_not_found");
 	});
 
 	it("keeps blobs per project: another project's key cannot read one", async () => {
 		const other = await project("snaps-other");
 		const state = "d".repeat(64);
-		await api("PUT", `/v1/tasks/iso/snapshots/${state}?driver=workspace`, { key: keys.host, body: bytes(10) });
-		expectError(await api("GET", `/v1/tasks/iso/snapshots/${state}`, { key: other.host }), 404, "snapshot_not_found");
+		await api("PUT", `/v1/tasks/iso/snapshots/${state}?driver=workspace`, {
+			key: keys.host,
+			body: bytes(10),
+		});
+		expectError(
+			await api("GET", `/v1/tasks/iso/snapshots/${state}`, { key: other.host }),
+			404,
+			"snapshot_not_found",
+		);
 		expect(await env.BLOBS.head(`snapshots/snaps/iso/${state}`)).not.toBeNull();
 	});
 
 	it("refuses a blob larger than the limit before reading it", async () => {
-		const r = await api("PUT", `/v1/tasks/big/snapshots/${"e".repeat(64)}?driver=workspace`, {
-			key: keys.host,
-			body: "x",
-			headers: { "content-length": String(2 ** 40) },
-		});
+		const r = await api(
+			"PUT",
+			`/v1/tasks/big/snapshots/${"e".repeat(64)}?driver=workspace`,
+			{
+				key: keys.host,
+				body: "x",
+				headers: { "content-length": String(2 ** 40) },
+			},
+		);
 		expectError(r, 413, "too_large");
-		expect(await env.BLOBS.head(`snapshots/snaps/big/${"e".repeat(64)}`)).toBeNull();
+		expect(
+			await env.BLOBS.head(`snapshots/snaps/big/${"e".repeat(64)}`),
+		).toBeNull();
 	});
 });
