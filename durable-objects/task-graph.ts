@@ -134,7 +134,7 @@ export class TaskGraph extends DurableObject<Env> {
 		scope: Scope,
 		input: LookupInput,
 	): Promise<Result<StoredHit | Miss>> {
-		if (input.cursor !== undefined && !this.#index.has(input.cursor)) {
+		if (input.cursor !== undefined && !this.#holdsState(input.cursor)) {
 			return fail(
 				409,
 				"stale_cursor",
@@ -239,7 +239,7 @@ export class TaskGraph extends DurableObject<Env> {
 		scope: Scope,
 		input: RecordInput,
 	): Promise<Result<RecordResponse>> {
-		if (!this.#index.has(input.from)) {
+		if (!this.#holdsState(input.from)) {
 			return fail(
 				409,
 				"unknown_state",
@@ -368,7 +368,7 @@ export class TaskGraph extends DurableObject<Env> {
 		state: string,
 		ttlMs: number,
 	): Promise<Result<Lease>> {
-		if (!this.#index.has(state)) {
+		if (!this.#holdsState(state)) {
 			return fail(404, "state_not_found", "this task holds no such state");
 		}
 		this.#remember(scope);
@@ -491,8 +491,7 @@ export class TaskGraph extends DurableObject<Env> {
 
 	/** Whether the task holds a state (the snapshot routes ask before storing). */
 	async hasState(state: string): Promise<boolean> {
-		const n = this.#index.get(state);
-		return n !== undefined && n.kind !== "result";
+		return this.#holdsState(state);
 	}
 
 	/**
@@ -528,6 +527,12 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	// ------------------------------------------------------------ internals
+
+	/** A state, not a stateless result: only states have children and snapshots. */
+	#holdsState(id: string): boolean {
+		const n = this.#index.get(id);
+		return n !== undefined && n.kind !== "result";
+	}
 
 	#expireLeases(at: number): void {
 		this.#db
