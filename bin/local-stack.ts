@@ -91,6 +91,43 @@ async function devVarsAdminKey(): Promise<string> {
 	return key;
 }
 
+/**
+ * The stack's trainer and host keys: the ones saved beside its state when
+ * they still work, so `npm start` hands out the same key every time, else
+ * new ones (saved for next time).
+ */
+async function devKeys(
+	url: string,
+	admin: TrellisClient,
+	persistTo: string,
+): Promise<{ trainer: string; host: string }> {
+	const file = path.join(persistTo, "dev-keys.json");
+	try {
+		const saved = JSON.parse(await readFile(file, "utf8")) as {
+			trainer: string;
+			host: string;
+		};
+		for (const key of [saved.trainer, saved.host])
+			await new TrellisClient({ url, key }).listTasks({ limit: 1 });
+		return saved;
+	} catch (err) {
+		// A missing file or a revoked key: make new ones; anything else is real.
+		const stale = !(err instanceof TrellisError) || err.code === "unauthorized";
+		if (!stale) throw err;
+	}
+	const make = async (role: "trainer" | "host") =>
+		(
+			await admin.createKey({
+				role,
+				project: DEV_PROJECT,
+				name: `local-stack ${role}`,
+			})
+		).key;
+	const keys = { trainer: await make("trainer"), host: await make("host") };
+	await writeFile(file, JSON.stringify(keys), { mode: 0o600 });
+	return keys;
+}
+
 /** The last lines a child printed, to explain a failed start. */
 class OutputTail {
 	#text = "";
@@ -203,15 +240,21 @@ export async function startLocalStack(
 		WRANGLER,
 		[
 			"dev",
-			"--ip", "127.0.0.1",
-			"--port", String(port),
-			"--inspector-port", String(inspectorPort),
-			"--persist-to", persistTo,
+			"--ip",
+			"127.0.0.1",
+			"--port",
+			String(port),
+			"--inspector-port",
+			String(inspectorPort),
+			"--persist-to",
+			persistTo,
 			"--show-interactive-dev-session=false",
-			"--log-level", quiet ? "warn" : "info",
+			"--log-level",
+			quiet ? "warn" : "info",
 			// --var wins over .dev.vars (wrangler merges CLI bindings last), so
 			// the stack always runs with the key we return.
-			"--var", `TRELLIS_ADMIN_KEY:${adminKey}`,
+			"--var",
+			`TRELLIS_ADMIN_KEY:${adminKey}`,
 		],
 		{
 			cwd: REPO_ROOT,
@@ -237,11 +280,18 @@ export async function startLocalStack(
 	const url = `http://127.0.0.1:${port}`;
 	try {
 		const deadline = Date.now() + (options.startTimeoutMs ?? 90_000);
-		const probe = new TrellisClient({ url, key: "", retries: 0, timeoutMs: 2000 });
+		const probe = new TrellisClient({
+			url,
+			key: "",
+			retries: 0,
+			timeoutMs: 2000,
+		});
 		for (;;) {
 			if (exited) throw new Error(`${exited}:\n${tail}`);
 			if (Date.now() > deadline)
-				throw new Error(`wrangler dev did not answer /healthz at ${url}:\n${tail}`);
+				throw new Error(
+					`wrangler dev did not answer /healthz at ${url}:\n${tail}`,
+				);
 			try {
 				await probe.health();
 				break;
@@ -253,24 +303,16 @@ export async function startLocalStack(
 		try {
 			await admin.createProject(DEV_PROJECT);
 		} catch (err) {
-			if (!(err instanceof TrellisError && err.code === "project_exists")) throw err;
+			if (!(err instanceof TrellisError && err.code === "project_exists"))
+				throw err;
 		}
-		const trainer = await admin.createKey({
-			role: "trainer",
-			project: DEV_PROJECT,
-			name: "local-stack trainer",
-		});
-		const host = await admin.createKey({
-			role: "host",
-			project: DEV_PROJECT,
-			name: "local-stack host",
-		});
+		const keys = await devKeys(url, admin, persistTo);
 		return {
 			url,
 			adminKey,
 			project: DEV_PROJECT,
-			trainerKey: trainer.key,
-			hostKey: host.key,
+			trainerKey: keys.trainer,
+			hostKey: keys.host,
 			persistTo,
 			pid: child.pid!,
 			stop,

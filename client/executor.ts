@@ -2,12 +2,7 @@
  * The cached-execution loop of one rollout (library mode): ask the cache
  * first, run in a sandbox only what it does not know, and record what ran.
  */
-import type {
-	Lease,
-	LookupResponse,
-	Miss,
-	SnapshotRef,
-} from "../core/api.ts";
+import type { Lease, LookupResponse, Miss, SnapshotRef } from "../core/api.ts";
 import { ROOT_ID, callKey, childId, obsId, type Call } from "../core/ids.ts";
 import {
 	TrellisError,
@@ -113,7 +108,11 @@ function counters(): RolloutCounters {
 }
 
 /** A call with its defaults filled in, as ids and the wire see it. */
-function normalize(tool: string, args: unknown, mutates: boolean): Required<Call> {
+function normalize(
+	tool: string,
+	args: unknown,
+	mutates: boolean,
+): Required<Call> {
 	return { tool, args: args === undefined ? null : args, mutates };
 }
 
@@ -186,7 +185,11 @@ export class CachedToolExecutor {
 	 * @param args any JSON value, part of the cache key (`null` when absent)
 	 * @param options whether the call changes state, if the caller knows
 	 */
-	call(tool: string, args?: unknown, options: CallOptions = {}): Promise<CallResult> {
+	call(
+		tool: string,
+		args?: unknown,
+		options: CallOptions = {},
+	): Promise<CallResult> {
 		// Checked when the call is made: calls queued before `close()` still run.
 		this.#assertOpen();
 		const run = this.#queue.then(() => this.#call(tool, args, options));
@@ -243,7 +246,10 @@ export class CachedToolExecutor {
 		const id = call.mutates ? childId(state, key) : obsId(state, key);
 
 		const res = await this.#lookup(call);
-		if (res.id !== id || (res.status === "hit" && call.mutates && res.state !== id))
+		if (
+			res.id !== id ||
+			(res.status === "hit" && call.mutates && res.state !== id)
+		)
 			throw new Error(
 				`the cache answered for result ${res.id}, the call's id is ${id}`,
 			);
@@ -306,7 +312,11 @@ export class CachedToolExecutor {
 		} satisfies LookupInput);
 	}
 
-	async #miss(call: Required<Call>, id: string, miss: Miss): Promise<CallResult> {
+	async #miss(
+		call: Required<Call>,
+		id: string,
+		miss: Miss,
+	): Promise<CallResult> {
 		const stopRenewing = miss.lease ? this.#hold(miss.lease) : undefined;
 		try {
 			const fromDepth = await this.#bringUp(miss);
@@ -376,7 +386,11 @@ export class CachedToolExecutor {
 		await this.#dropSandbox();
 		if (snapshot) {
 			const source: SnapshotSource = {
-				ref: { driver: snapshot.driver, key: snapshot.key, bytes: snapshot.bytes },
+				ref: {
+					driver: snapshot.driver,
+					key: snapshot.key,
+					bytes: snapshot.bytes,
+				},
 				read: () => this.#client.getSnapshot(this.task, snapshot.state),
 			};
 			try {
@@ -415,7 +429,13 @@ export class CachedToolExecutor {
 		state: string = this.#stateAt(depth),
 	): Promise<{ snapshot?: SnapshotRef }> {
 		const every = this.#options.snapshotEvery;
-		const info: SnapshotInfo = { call, state, depth, execMs: out.execMs, replayed };
+		const info: SnapshotInfo = {
+			call,
+			state,
+			depth,
+			execMs: out.execMs,
+			replayed,
+		};
 		const wanted =
 			(every !== undefined && every > 0 && depth % every === 0) ||
 			(this.#options.snapshotWhen?.(info) ?? false);
@@ -423,7 +443,12 @@ export class CachedToolExecutor {
 		const snap = await this.#sandbox.snapshot();
 		const ref =
 			snap.data !== undefined
-				? await this.#client.putSnapshot(this.task, state, snap.data, snap.driver)
+				? await this.#client.putSnapshot(
+						this.task,
+						state,
+						snap.data,
+						snap.driver,
+					)
 				: { driver: snap.driver, key: snap.key, bytes: snap.bytes };
 		this.#counters.snapshots++;
 		return { snapshot: ref };

@@ -449,7 +449,10 @@ export class TrellisClient {
 	#delay(attempt: number, retryAfterMs: number | undefined): number {
 		if (retryAfterMs !== undefined)
 			return Math.min(retryAfterMs, this.#maxBackoffMs);
-		const ceiling = Math.min(this.#backoffMs * 2 ** attempt, this.#maxBackoffMs);
+		const ceiling = Math.min(
+			this.#backoffMs * 2 ** attempt,
+			this.#maxBackoffMs,
+		);
 		return Math.random() * ceiling;
 	}
 
@@ -480,8 +483,7 @@ export class TrellisClient {
 				signal,
 			});
 		} catch (cause) {
-			const timedOut =
-				cause instanceof Error && cause.name === "TimeoutError";
+			const timedOut = cause instanceof Error && cause.name === "TimeoutError";
 			throw new TrellisError({
 				status: 0,
 				code: timedOut ? "timeout" : "network_error",
@@ -503,7 +505,10 @@ function describe(err: unknown): string {
 }
 
 /** The typed error of a non-2xx response, from its JSON body when it has one. */
-async function errorFrom(res: Response, spec: RequestSpec): Promise<TrellisError> {
+async function errorFrom(
+	res: Response,
+	spec: RequestSpec,
+): Promise<TrellisError> {
 	const text = await res.text().catch(() => "");
 	let code = `http_${res.status}`;
 	let message = text.slice(0, 500) || res.statusText;

@@ -28,8 +28,7 @@ export interface ExecResult {
  * {@link SnapshotRef} that the cache can store as is.
  */
 export type SandboxSnapshot =
-	| { driver: string; data: Uint8Array }
-	| (SnapshotRef & { data?: undefined });
+	{ driver: string; data: Uint8Array } | (SnapshotRef & { data?: undefined });
 
 /**
  * A snapshot to restore: its ref as the cache returned it, and a way to get

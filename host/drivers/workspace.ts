@@ -82,13 +82,53 @@ export function commandOf(call: Call): Command {
 }
 
 const READ_ONLY = new Set([
-	"cat", "ls", "head", "tail", "wc", "grep", "egrep", "fgrep", "rg", "find",
-	"stat", "file", "pwd", "echo", "printf", "sha256sum", "sha1sum", "md5sum",
-	"cksum", "diff", "cmp", "du", "tree", "sort", "uniq", "cut", "tr", "jq",
-	"which", "true", "test", "basename", "dirname", "realpath", "nl", "od",
+	"cat",
+	"ls",
+	"head",
+	"tail",
+	"wc",
+	"grep",
+	"egrep",
+	"fgrep",
+	"rg",
+	"find",
+	"stat",
+	"file",
+	"pwd",
+	"echo",
+	"printf",
+	"sha256sum",
+	"sha1sum",
+	"md5sum",
+	"cksum",
+	"diff",
+	"cmp",
+	"du",
+	"tree",
+	"sort",
+	"uniq",
+	"cut",
+	"tr",
+	"jq",
+	"which",
+	"true",
+	"test",
+	"basename",
+	"dirname",
+	"realpath",
+	"nl",
+	"od",
 	"xxd",
 ]);
-const READ_ONLY_GIT = new Set(["status", "log", "diff", "show", "ls-files", "rev-parse", "blame"]);
+const READ_ONLY_GIT = new Set([
+	"status",
+	"log",
+	"diff",
+	"show",
+	"ls-files",
+	"rev-parse",
+	"blame",
+]);
 
 /**
  * Whether a shell command only reads. Deliberately narrow: a pipeline of
@@ -103,14 +143,19 @@ export function looksReadOnly(cmd: string): boolean {
 		if (name === "git") return READ_ONLY_GIT.has(sub ?? "");
 		if (!READ_ONLY.has(name ?? "")) return false;
 		if (name === "find")
-			return !words.some((w) => /^-(delete|exec|execdir|ok|okdir|fprint.*|fls)$/.test(w));
+			return !words.some((w) =>
+				/^-(delete|exec|execdir|ok|okdir|fprint.*|fls)$/.test(w),
+			);
 		if (name === "sort") return !words.some((w) => /^(-o|--output)/.test(w));
 		return true;
 	});
 }
 
 /** The workspace's default: a shell call mutates unless {@link looksReadOnly}; other tools mutate. */
-export function defaultMutates(call: Call, tools: readonly string[] = DEFAULT_TOOLS): boolean {
+export function defaultMutates(
+	call: Call,
+	tools: readonly string[] = DEFAULT_TOOLS,
+): boolean {
 	if (!tools.includes(call.tool)) return true;
 	try {
 		return !looksReadOnly(commandOf(call).cmd);
@@ -157,7 +202,9 @@ export class WorkspaceSandbox implements Sandbox {
 	async exec(call: Call): Promise<ExecResult> {
 		const tools = this.#options.tools ?? DEFAULT_TOOLS;
 		if (!tools.includes(call.tool))
-			throw new TypeError(`the workspace driver does not run tool ${call.tool}`);
+			throw new TypeError(
+				`the workspace driver does not run tool ${call.tool}`,
+			);
 		const command = commandOf(call);
 		const cwd = this.#inside(command.cwd ?? ".");
 		const timeoutMs = command.timeoutMs ?? this.#options.timeoutMs ?? 60_000;
@@ -167,23 +214,29 @@ export class WorkspaceSandbox implements Sandbox {
 		// command's own shell: one pipe keeps the two in the order they were
 		// written, which two pipes merged here could not, and the cache needs
 		// the same output each time.
-		const child = spawn("bash", ["-c", 'exec bash -c "$1" 2>&1', "bash", command.cmd], {
-			cwd,
-			env: {
-				PATH: process.env.PATH ?? "/usr/bin:/bin",
-				HOME: this.dir,
-				LANG: "C.UTF-8",
-				LC_ALL: "C.UTF-8",
-				TERM: "dumb",
-				TRELLIS_WORKSPACE: this.dir,
-				...this.#options.env,
+		const child = spawn(
+			"bash",
+			["-c", 'exec bash -c "$1" 2>&1', "bash", command.cmd],
+			{
+				cwd,
+				env: {
+					PATH: process.env.PATH ?? "/usr/bin:/bin",
+					HOME: this.dir,
+					LANG: "C.UTF-8",
+					LC_ALL: "C.UTF-8",
+					TERM: "dumb",
+					TRELLIS_WORKSPACE: this.dir,
+					...this.#options.env,
+				},
+				stdio: ["ignore", "pipe", "ignore"],
+				detached: true,
 			},
-			stdio: ["ignore", "pipe", "ignore"],
-			detached: true,
-		});
+		);
 		const pgid = child.pid;
 		if (pgid !== undefined) this.#running.add(pgid);
-		const drained = new Promise((resolve) => child.stdout.once("close", resolve));
+		const drained = new Promise((resolve) =>
+			child.stdout.once("close", resolve),
+		);
 		const chunks: Buffer[] = [];
 		let kept = 0;
 		let dropped = 0;
@@ -200,17 +253,17 @@ export class WorkspaceSandbox implements Sandbox {
 			timedOut = true;
 			killGroup(pgid);
 		}, timeoutMs);
-		const [code, signal] = await new Promise<[number | null, NodeJS.Signals | null]>(
-			(resolve, reject) => {
-				child.on("error", reject);
-				child.on("exit", (c, s) => {
-					// Background jobs the command left would hold the pipe open:
-					// a workspace's state is its files, not its processes.
-					killGroup(pgid);
-					resolve([c, s]);
-				});
-			},
-		).finally(() => clearTimeout(timer));
+		const [code, signal] = await new Promise<
+			[number | null, NodeJS.Signals | null]
+		>((resolve, reject) => {
+			child.on("error", reject);
+			child.on("exit", (c, s) => {
+				// Background jobs the command left would hold the pipe open:
+				// a workspace's state is its files, not its processes.
+				killGroup(pgid);
+				resolve([c, s]);
+			});
+		}).finally(() => clearTimeout(timer));
 		await drained;
 		if (pgid !== undefined) this.#running.delete(pgid);
 		let output = Buffer.concat(chunks).toString("utf8");
@@ -238,7 +291,9 @@ export class WorkspaceSandbox implements Sandbox {
 	/** The directory as a gzipped tarball. */
 	async snapshot(): Promise<{ driver: string; data: Uint8Array }> {
 		const chunks: Buffer[] = [];
-		const stream = createTar({ gzip: true, cwd: this.dir, portable: true }, ["."]);
+		const stream = createTar({ gzip: true, cwd: this.dir, portable: true }, [
+			".",
+		]);
 		for await (const chunk of stream) chunks.push(chunk as Buffer);
 		return { driver: this.driver, data: Buffer.concat(chunks) };
 	}

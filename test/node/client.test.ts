@@ -4,7 +4,11 @@
  * server agreeing with the client's ids.
  */
 import { readFileSync } from "node:fs";
-import { createServer, type IncomingMessage, type ServerResponse } from "node:http";
+import {
+	createServer,
+	type IncomingMessage,
+	type ServerResponse,
+} from "node:http";
 import type { AddressInfo } from "node:net";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { startLocalStack, type LocalStack } from "../../bin/local-stack.ts";
@@ -56,16 +60,37 @@ function counting(): { fetch: typeof fetch; count: () => number } {
 	};
 }
 
-const M = (cmd: string): Call => ({ tool: "bash", args: { cmd }, mutates: true });
-const R = (cmd: string): Call => ({ tool: "bash", args: { cmd }, mutates: false });
-const run = (c: Call, output: string) => ({ ...c, output, exitCode: 0, execMs: 5 });
+const M = (cmd: string): Call => ({
+	tool: "bash",
+	args: { cmd },
+	mutates: true,
+});
+const R = (cmd: string): Call => ({
+	tool: "bash",
+	args: { cmd },
+	mutates: false,
+});
+const run = (c: Call, output: string) => ({
+	...c,
+	output,
+	exitCode: 0,
+	execMs: 5,
+});
 
 describe("typed errors", () => {
 	it("a bad key is a 401 unauthorized, not retried", async () => {
 		const f = counting();
-		const bad = new TrellisClient({ url: stack.url, key: "not-a-key", fetch: f.fetch });
+		const bad = new TrellisClient({
+			url: stack.url,
+			key: "not-a-key",
+			fetch: f.fetch,
+		});
 		const err = await failure(() => bad.stats("anything"));
-		expect([err.status, err.code, err.retryable]).toEqual([401, "unauthorized", false]);
+		expect([err.status, err.code, err.retryable]).toEqual([
+			401,
+			"unauthorized",
+			false,
+		]);
 		expect(f.count()).toBe(1);
 	});
 
@@ -85,26 +110,39 @@ describe("typed errors", () => {
 	});
 
 	it("a result nobody recorded is a 404 not_found", async () => {
-		const err = await failure(() => trainer.result(taskName("no-result"), childId(ROOT_ID, callKey(M("x")))));
+		const err = await failure(() =>
+			trainer.result(taskName("no-result"), childId(ROOT_ID, callKey(M("x")))),
+		);
 		expect([err.status, err.code]).toEqual([404, "not_found"]);
 	});
 
 	it("a record from a state the graph does not hold is a 409 unknown_state", async () => {
 		const from = childId(ROOT_ID, callKey(M("never recorded")));
 		const err = await failure(() =>
-			trainer.record(taskName("unknown-state"), { from, calls: [run(M("y"), "y")] }),
+			trainer.record(taskName("unknown-state"), {
+				from,
+				calls: [run(M("y"), "y")],
+			}),
 		);
-		expect([err.status, err.code, err.retryable]).toEqual([409, "unknown_state", false]);
+		expect([err.status, err.code, err.retryable]).toEqual([
+			409,
+			"unknown_state",
+			false,
+		]);
 	});
 
 	it("a lookup by a cursor the graph does not hold is a 409 stale_cursor", async () => {
 		const cursor = childId(ROOT_ID, callKey(M("never recorded")));
-		const err = await failure(() => trainer.lookup(taskName("stale"), { call: M("z"), cursor }));
+		const err = await failure(() =>
+			trainer.lookup(taskName("stale"), { call: M("z"), cursor }),
+		);
 		expect([err.status, err.code]).toEqual([409, "stale_cursor"]);
 	});
 
 	it("renewing a lease that does not exist is a 404 lease_not_found", async () => {
-		const err = await failure(() => trainer.renewLease(taskName("lease"), "no-such-lease"));
+		const err = await failure(() =>
+			trainer.renewLease(taskName("lease"), "no-such-lease"),
+		);
 		expect([err.status, err.code]).toEqual([404, "lease_not_found"]);
 	});
 
@@ -120,7 +158,9 @@ describe("routes", () => {
 			readFileSync(new URL("../vectors/ids.json", import.meta.url), "utf8"),
 		) as { paths: { calls: Call[]; ids: string[] }[] };
 		// [M1, R1, M2, R2]: stateless calls in between, the case ids get wrong most easily.
-		const v = vectors.paths.find((p) => p.calls.length === 4 && p.calls[1].mutates === false)!;
+		const v = vectors.paths.find(
+			(p) => p.calls.length === 4 && p.calls[1].mutates === false,
+		)!;
 		const res = await trainer.record(taskName("vectors"), {
 			from: ROOT_ID,
 			calls: v.calls.map((c, i) => run(c, `out ${i}`)),
@@ -134,20 +174,47 @@ describe("routes", () => {
 		const task = taskName("hit");
 		const rec = await trainer.record(task, {
 			from: ROOT_ID,
-			calls: [run(M("make"), "built\n"), { ...run(R("cat log"), "log\n"), exitCode: 3 }],
+			calls: [
+				run(M("make"), "built\n"),
+				{ ...run(R("cat log"), "log\n"), exitCode: 3 },
+			],
 		});
-		const byHistory = await trainer.lookup(task, { call: R("cat log"), history: [M("make")] });
-		expect(byHistory).toMatchObject({ status: "hit", output: "log\n", exitCode: 3, state: rec.state });
-		const byCursor = await trainer.lookup(task, { call: R("cat log"), cursor: rec.state });
-		expect(byCursor).toMatchObject({ status: "hit", id: obsId(rec.state, callKey(R("cat log"))) });
+		const byHistory = await trainer.lookup(task, {
+			call: R("cat log"),
+			history: [M("make")],
+		});
+		expect(byHistory).toMatchObject({
+			status: "hit",
+			output: "log\n",
+			exitCode: 3,
+			state: rec.state,
+		});
+		const byCursor = await trainer.lookup(task, {
+			call: R("cat log"),
+			cursor: rec.state,
+		});
+		expect(byCursor).toMatchObject({
+			status: "hit",
+			id: obsId(rec.state, callKey(R("cat log"))),
+		});
 		const byId = await trainer.result(task, rec.state);
-		expect(byId).toMatchObject({ status: "hit", output: "built\n", id: rec.state });
+		expect(byId).toMatchObject({
+			status: "hit",
+			output: "built\n",
+			id: rec.state,
+		});
 	});
 
 	it("recording the same call with another output keeps the first and reports a conflict", async () => {
 		const task = taskName("conflict");
-		await trainer.record(task, { from: ROOT_ID, calls: [run(M("date"), "monday")] });
-		const again = await trainer.record(task, { from: ROOT_ID, calls: [run(M("date"), "tuesday")] });
+		await trainer.record(task, {
+			from: ROOT_ID,
+			calls: [run(M("date"), "monday")],
+		});
+		const again = await trainer.record(task, {
+			from: ROOT_ID,
+			calls: [run(M("date"), "tuesday")],
+		});
 		expect(again.conflicts).toBe(1);
 		expect(again.results[0].status).toBe("conflict");
 		const hit = await trainer.lookup(task, { call: M("date"), history: [] });
@@ -161,10 +228,20 @@ describe("routes", () => {
 		const blob = new Uint8Array(100_000).map((_, i) => (i * 7) % 256);
 		const ref = await trainer.putSnapshot(task, state, blob, "workspace");
 		expect(ref).toMatchObject({ driver: "workspace", bytes: blob.length });
-		expect(Buffer.from(await trainer.getSnapshot(task, state)).equals(Buffer.from(blob))).toBe(true);
+		expect(
+			Buffer.from(await trainer.getSnapshot(task, state)).equals(
+				Buffer.from(blob),
+			),
+		).toBe(true);
 
-		await trainer.record(task, { from: ROOT_ID, calls: [{ ...run(M("setup"), ""), snapshot: ref }] });
-		const miss = await trainer.lookup(task, { call: M("next"), history: [M("setup")] });
+		await trainer.record(task, {
+			from: ROOT_ID,
+			calls: [{ ...run(M("setup"), ""), snapshot: ref }],
+		});
+		const miss = await trainer.lookup(task, {
+			call: M("next"),
+			history: [M("setup")],
+		});
 		expect(miss.status).toBe("miss");
 		if (miss.status !== "miss") return;
 		expect(miss.snapshot).toMatchObject({ state, depth: 1, key: ref.key });
@@ -177,29 +254,50 @@ describe("routes", () => {
 	});
 
 	it("a state with no snapshot blob is a 404", async () => {
-		const err = await failure(() => trainer.getSnapshot(taskName("nosnap"), ROOT_ID));
+		const err = await failure(() =>
+			trainer.getSnapshot(taskName("nosnap"), ROOT_ID),
+		);
 		expect(err.status).toBe(404);
 	});
 
 	it("a lease is created, renewed to a later expiry, and released", async () => {
 		const task = taskName("lease");
-		const rec = await trainer.record(task, { from: ROOT_ID, calls: [run(M("a"), "")] });
-		const lease = await trainer.createLease(task, { state: rec.state, ttlMs: 1000 });
+		const rec = await trainer.record(task, {
+			from: ROOT_ID,
+			calls: [run(M("a"), "")],
+		});
+		const lease = await trainer.createLease(task, {
+			state: rec.state,
+			ttlMs: 1000,
+		});
 		expect(lease.state).toBe(rec.state);
 		const renewed = await trainer.renewLease(task, lease.id, 60_000);
 		expect(renewed.expiresAt).toBeGreaterThan(lease.expiresAt);
-		expect(await trainer.releaseLease(task, lease.id)).toEqual({ id: lease.id, released: true });
+		expect(await trainer.releaseLease(task, lease.id)).toEqual({
+			id: lease.id,
+			released: true,
+		});
 		expect((await trainer.stats(task)).leases).toBe(0);
 	});
 
 	it("an admin key creates, lists and revokes a key, which then gets a 401", async () => {
-		const created = await admin.createKey({ role: "trainer", project: stack.project, name: "temp" });
+		const created = await admin.createKey({
+			role: "trainer",
+			project: stack.project,
+			name: "temp",
+		});
 		const temp = trainer.withKey(created.key);
 		await temp.listTasks();
 		const keys = await admin.listKeys({ project: stack.project });
-		expect(keys.find((k) => k.id === created.id)).toMatchObject({ role: "trainer", name: "temp" });
+		expect(keys.find((k) => k.id === created.id)).toMatchObject({
+			role: "trainer",
+			name: "temp",
+		});
 		expect(JSON.stringify(keys)).not.toContain(created.key);
-		expect(await admin.deleteKey(created.id)).toEqual({ id: created.id, revoked: true });
+		expect(await admin.deleteKey(created.id)).toEqual({
+			id: created.id,
+			revoked: true,
+		});
 		const err = await failure(() => temp.listTasks());
 		expect([err.status, err.code]).toEqual([401, "unauthorized"]);
 	});
@@ -209,8 +307,10 @@ describe("routes", () => {
 		await trainer.record(task, { from: ROOT_ID, calls: [run(M("a"), "")] });
 		// The task index in D1 is brought up to date shortly after a change.
 		let names: string[] = [];
-		for (const deadline = Date.now() + 15_000; Date.now() < deadline; ) {
-			names = (await trainer.listTasks({ limit: 1000 })).tasks.map((t) => t.task);
+		for (const deadline = Date.now() + 15_000; Date.now() < deadline;) {
+			names = (await trainer.listTasks({ limit: 1000 })).tasks.map(
+				(t) => t.task,
+			);
 			if (names.includes(task)) break;
 			await new Promise((r) => setTimeout(r, 250));
 		}
@@ -221,16 +321,25 @@ describe("routes", () => {
 describe("retries", () => {
 	/** A real HTTP server that answers with the next canned response. */
 	async function scripted(
-		responses: { status: number; headers?: Record<string, string>; body: unknown }[],
+		responses: {
+			status: number;
+			headers?: Record<string, string>;
+			body: unknown;
+		}[],
 	): Promise<{ url: string; hits: () => number; close: () => Promise<void> }> {
 		let n = 0;
 		const server = createServer((req: IncomingMessage, res: ServerResponse) => {
 			const r = responses[Math.min(n++, responses.length - 1)];
 			req.resume();
-			res.writeHead(r.status, { "content-type": "application/json", ...r.headers });
+			res.writeHead(r.status, {
+				"content-type": "application/json",
+				...r.headers,
+			});
 			res.end(JSON.stringify(r.body));
 		});
-		await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+		await new Promise<void>((resolve) =>
+			server.listen(0, "127.0.0.1", resolve),
+		);
 		const { port } = server.address() as AddressInfo;
 		return {
 			url: `http://127.0.0.1:${port}`,
@@ -238,7 +347,10 @@ describe("retries", () => {
 			close: () => new Promise((resolve) => server.close(() => resolve())),
 		};
 	}
-	const unavailable = { status: 503, body: { error: { code: "unavailable", message: "busy" } } };
+	const unavailable = {
+		status: 503,
+		body: { error: { code: "unavailable", message: "busy" } },
+	};
 	const stats = { status: 200, body: { task: "t", lookups: 0 } };
 
 	it("an idempotent call is retried after 5xx until it succeeds", async () => {
@@ -253,7 +365,11 @@ describe("retries", () => {
 		const s = await scripted([unavailable, { status: 201, body: {} }]);
 		const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1 });
 		const err = await failure(() => c.createLease("t", { state: ROOT_ID }));
-		expect([err.status, err.code, err.retryable]).toEqual([503, "unavailable", true]);
+		expect([err.status, err.code, err.retryable]).toEqual([
+			503,
+			"unavailable",
+			true,
+		]);
 		expect(s.hits()).toBe(1);
 		await s.close();
 	});
@@ -264,7 +380,10 @@ describe("retries", () => {
 			headers: { "retry-after": "1" },
 			body: { error: { code: "rate_limited", message: "slow down" } },
 		};
-		const s = await scripted([limited, { status: 201, body: { id: "l", state: ROOT_ID, expiresAt: 1 } }]);
+		const s = await scripted([
+			limited,
+			{ status: 201, body: { id: "l", state: ROOT_ID, expiresAt: 1 } },
+		]);
 		const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1 });
 		const t0 = Date.now();
 		expect((await c.createLease("t", { state: ROOT_ID })).id).toBe("l");
@@ -275,7 +394,12 @@ describe("retries", () => {
 
 	it("gives up after the configured retries with the last error", async () => {
 		const s = await scripted([unavailable]);
-		const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1, retries: 2 });
+		const c = new TrellisClient({
+			url: s.url,
+			key: "k",
+			backoffMs: 1,
+			retries: 2,
+		});
 		const err = await failure(() => c.stats("t"));
 		expect(err.status).toBe(503);
 		expect(s.hits()).toBe(3);
@@ -287,9 +411,19 @@ describe("retries", () => {
 		const url = s.url;
 		await s.close(); // nothing listens there now
 		const f = counting();
-		const c = new TrellisClient({ url, key: "k", backoffMs: 1, retries: 2, fetch: f.fetch });
+		const c = new TrellisClient({
+			url,
+			key: "k",
+			backoffMs: 1,
+			retries: 2,
+			fetch: f.fetch,
+		});
 		const err = await failure(() => c.stats("t"));
-		expect([err.status, err.code, err.retryable]).toEqual([0, "network_error", true]);
+		expect([err.status, err.code, err.retryable]).toEqual([
+			0,
+			"network_error",
+			true,
+		]);
 		expect(f.count()).toBe(3);
 	});
 });

@@ -49,7 +49,9 @@ async function world(label: string) {
 }
 
 /** A shell command that logs its name outside the sandbox, then runs `cmd`. */
-const logged = (name: string, cmd: string) => ({ cmd: `echo ${name} >> "$LOG"; ${cmd}` });
+const logged = (name: string, cmd: string) => ({
+	cmd: `echo ${name} >> "$LOG"; ${cmd}`,
+});
 const W = { mutates: true };
 const RO = { mutates: false };
 
@@ -71,7 +73,9 @@ describe("CachedToolExecutor", () => {
 		// A second rollout gets each output back from the cache, in its state.
 		const b = rollout();
 		await b.call("bash", logged("write", "printf 'print(1)\\n' > foo.py"), W);
-		expect((await b.call("bash", logged("cat", "cat foo.py"), RO)).output).toBe("print(1)\n");
+		expect((await b.call("bash", logged("cat", "cat foo.py"), RO)).output).toBe(
+			"print(1)\n",
+		);
 		await b.call("bash", logged("patch", "sed -i s/1/2/ foo.py"), W);
 		const cached = await b.call("bash", logged("cat", "cat foo.py"), RO);
 		expect([cached.status, cached.output]).toEqual(["hit", "print(2)\n"]);
@@ -89,7 +93,12 @@ describe("CachedToolExecutor", () => {
 		let recordedMs = 0;
 		for (const [name, cmd, o] of script)
 			recordedMs += (await a.call("bash", logged(name, cmd), o)).execMs;
-		expect(a.counters).toMatchObject({ hits: 0, misses: 4, executed: 4, replayed: 0 });
+		expect(a.counters).toMatchObject({
+			hits: 0,
+			misses: 4,
+			executed: 4,
+			replayed: 0,
+		});
 		const ranBefore = await logLines(log);
 		expect(ranBefore).toEqual(["clone", "ls", "build", "test"]);
 
@@ -101,7 +110,12 @@ describe("CachedToolExecutor", () => {
 			outputs.push(r.output);
 		}
 		expect(outputs).toEqual(["", "main.c\n", "", "2\n"]);
-		expect(b.counters).toMatchObject({ hits: 4, misses: 0, executed: 0, replayed: 0 });
+		expect(b.counters).toMatchObject({
+			hits: 4,
+			misses: 0,
+			executed: 0,
+			replayed: 0,
+		});
 		expect(b.counters.savedMs).toBeCloseTo(recordedMs, 6);
 		expect(await logLines(log)).toEqual(ranBefore);
 	});
@@ -115,7 +129,8 @@ describe("CachedToolExecutor", () => {
 			["R2", "cat state", RO],
 		];
 		const a = rollout();
-		for (const [name, cmd, o] of path4) await a.call("bash", logged(name, cmd), o);
+		for (const [name, cmd, o] of path4)
+			await a.call("bash", logged(name, cmd), o);
 		// Rollout a kept its sandbox between misses: nothing was replayed.
 		expect(a.counters).toMatchObject({ misses: 4, executed: 4, replayed: 0 });
 
@@ -123,9 +138,18 @@ describe("CachedToolExecutor", () => {
 		for (const [name, cmd, o] of path4)
 			expect((await b.call("bash", logged(name, cmd), o)).status).toBe("hit");
 		// A new call after the matched path: a fresh sandbox replays M1 and M2.
-		const x = await b.call("bash", logged("X", "echo three >> state; cat state"), W);
+		const x = await b.call(
+			"bash",
+			logged("X", "echo three >> state; cat state"),
+			W,
+		);
 		expect([x.status, x.output]).toEqual(["miss", "one\ntwo\nthree\n"]);
-		expect(b.counters).toMatchObject({ hits: 4, misses: 1, replayed: 2, executed: 3 });
+		expect(b.counters).toMatchObject({
+			hits: 4,
+			misses: 1,
+			replayed: 2,
+			executed: 3,
+		});
 		expect(await countLines(log, "M2")).toBe(2); // a's run + exactly one replay
 		expect(await countLines(log, "M1")).toBe(2);
 		expect(await countLines(log, "R1")).toBe(1); // reads are never replayed
@@ -141,8 +165,13 @@ describe("CachedToolExecutor", () => {
 		expect((await client.stats(task)).snapshots).toBe(1);
 
 		const b = rollout();
-		for (const i of [1, 2, 3]) expect((await b.call("bash", step(i), W)).status).toBe("hit");
-		const r = await b.call("bash", logged("M4", "echo 4 >> state; cat state"), W);
+		for (const i of [1, 2, 3])
+			expect((await b.call("bash", step(i), W)).status).toBe("hit");
+		const r = await b.call(
+			"bash",
+			logged("M4", "echo 4 >> state; cat state"),
+			W,
+		);
 		// The restored files plus the replayed M3 make the state M4 runs in.
 		expect(r.output).toBe("1\n2\n3\n4\n");
 		expect(b.counters).toMatchObject({ restores: 1, replayed: 1, executed: 2 });
@@ -173,7 +202,12 @@ describe("CachedToolExecutor", () => {
 		const rb = await b.call("bash", logged("Rb", "wc -c f"), RO);
 		const ra = await b.call("bash", logged("Ra", "cat f"), RO);
 		await b.call("bash", logged("M2", "echo y >> f"), W);
-		expect([ra.status, ra.output, rb.status, rb.output]).toEqual(["hit", "x\n", "hit", "2 f\n"]);
+		expect([ra.status, ra.output, rb.status, rb.output]).toEqual([
+			"hit",
+			"x\n",
+			"hit",
+			"2 f\n",
+		]);
 		expect(b.counters.executed).toBe(0);
 
 		// Exactness: the same read after M2 is another state, so it misses.
@@ -212,8 +246,12 @@ describe("CachedToolExecutor", () => {
 		open.push(b);
 		await b.call("bash", { cmd: "echo fork >> f" }, W);
 		await a.call("bash", { cmd: "echo main >> f" }, W);
-		expect((await a.call("bash", { cmd: "cat f" }, RO)).output).toBe("base\nmain\n");
-		expect((await b.call("bash", { cmd: "cat f" }, RO)).output).toBe("base\nfork\n");
+		expect((await a.call("bash", { cmd: "cat f" }, RO)).output).toBe(
+			"base\nmain\n",
+		);
+		expect((await b.call("bash", { cmd: "cat f" }, RO)).output).toBe(
+			"base\nfork\n",
+		);
 		expect(b.counters.replayed).toBe(0); // the fork's sandbox was already there
 	});
 

@@ -19,7 +19,9 @@ export async function tmp(prefix: string): Promise<string> {
 
 /** Removes every directory {@link tmp} made. */
 export async function cleanTmp(): Promise<void> {
-	await Promise.all(made.splice(0).map((d) => rm(d, { recursive: true, force: true })));
+	await Promise.all(
+		made.splice(0).map((d) => rm(d, { recursive: true, force: true })),
+	);
 }
 
 /** A task name no other test (or earlier run over the same state) uses. */

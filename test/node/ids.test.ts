@@ -56,6 +56,8 @@ describe("canonical ids", () => {
 		// Guards the vectors themselves: a trimmed file would pass the loops above.
 		expect(vectors.calls.length).toBeGreaterThanOrEqual(15);
 		expect(vectors.calls.some((v) => v.call.args === undefined)).toBe(true);
-		expect(vectors.paths.some((p) => p.calls.some((c) => c.mutates === false))).toBe(true);
+		expect(
+			vectors.paths.some((p) => p.calls.some((c) => c.mutates === false)),
+		).toBe(true);
 	});
 });

@@ -25,7 +25,9 @@ beforeAll(async () => {
 });
 afterAll(cleanTmp);
 
-async function started(options: Partial<ConstructorParameters<typeof WorkspaceSandbox>[0]> = {}) {
+async function started(
+	options: Partial<ConstructorParameters<typeof WorkspaceSandbox>[0]> = {},
+) {
 	const sb = new WorkspaceSandbox({ root, ...options });
 	await sb.start();
 	return sb;
@@ -34,7 +36,9 @@ async function started(options: Partial<ConstructorParameters<typeof WorkspaceSa
 describe("WorkspaceSandbox", () => {
 	it("runs a command in its own directory and returns stdout and stderr in order with the exit code", async () => {
 		const sb = await started();
-		const r = await sb.exec(sh("echo one; echo two >&2; echo three; pwd; exit 7"));
+		const r = await sb.exec(
+			sh("echo one; echo two >&2; echo three; pwd; exit 7"),
+		);
 		expect(r.output).toBe(`one\ntwo\nthree\n${sb.dir}\n`);
 		expect(r.exitCode).toBe(7);
 		expect(r.execMs).toBeGreaterThan(0);
@@ -46,13 +50,17 @@ describe("WorkspaceSandbox", () => {
 		await sb.exec({ tool: "bash", args: "mkdir -p sub/dir" });
 		const r = await sb.exec(sh("pwd", { cwd: "sub/dir" }));
 		expect(r.output).toBe(`${path.join(sb.dir, "sub/dir")}\n`);
-		await expect(sb.exec(sh("pwd", { cwd: "../.." }))).rejects.toThrow(/outside the workspace/);
+		await expect(sb.exec(sh("pwd", { cwd: "../.." }))).rejects.toThrow(
+			/outside the workspace/,
+		);
 		await sb.stop();
 	});
 
 	it("refuses a tool it does not run", async () => {
 		const sb = await started();
-		await expect(sb.exec({ tool: "sql", args: "select 1" })).rejects.toThrow(/does not run tool sql/);
+		await expect(sb.exec({ tool: "sql", args: "select 1" })).rejects.toThrow(
+			/does not run tool sql/,
+		);
 		await sb.stop();
 	});
 
@@ -70,7 +78,11 @@ describe("WorkspaceSandbox", () => {
 	it("cuts the output at the size cap and says how much it dropped", async () => {
 		const sb = await started({ maxOutputBytes: 64 });
 		const r = await sb.exec(sh("head -c 1000 /dev/zero | tr '\\0' a"));
-		expect(r.output.startsWith("a".repeat(64) + "\n[output truncated: 936 more bytes]")).toBe(true);
+		expect(
+			r.output.startsWith(
+				"a".repeat(64) + "\n[output truncated: 936 more bytes]",
+			),
+		).toBe(true);
 		expect(r.exitCode).toBe(0);
 		await sb.stop();
 	});
@@ -96,7 +108,11 @@ describe("WorkspaceSandbox", () => {
 
 	it("restores a snapshot's files, links and modes into another sandbox, dropping files made since", async () => {
 		const sb = await started();
-		await sb.exec(sh("mkdir -p a/b && echo hello > a/b/f && ln -s a/b/f link && echo '#!/bin/sh' > run.sh && chmod 755 run.sh"));
+		await sb.exec(
+			sh(
+				"mkdir -p a/b && echo hello > a/b/f && ln -s a/b/f link && echo '#!/bin/sh' > run.sh && chmod 755 run.sh",
+			),
+		);
 		const snap = await sb.snapshot();
 		expect(snap.driver).toBe("workspace");
 		expect([...snap.data.subarray(0, 2)]).toEqual([0x1f, 0x8b]); // gzip magic
@@ -127,7 +143,10 @@ describe("WorkspaceSandbox", () => {
 	it("refuses to restore another driver's snapshot", async () => {
 		const sb = await started();
 		await expect(
-			sb.restore({ ref: { driver: "docker", key: "img", bytes: 0 }, read: async () => new Uint8Array() }),
+			sb.restore({
+				ref: { driver: "docker", key: "img", bytes: 0 },
+				read: async () => new Uint8Array(),
+			}),
 		).rejects.toThrow(/cannot restore a docker snapshot/);
 		await sb.stop();
 	});
@@ -144,21 +163,41 @@ describe("WorkspaceSandbox", () => {
 
 describe("which workspace calls change state", () => {
 	it("counts plain reads as stateless and anything that may write as state-changing", () => {
-		for (const cmd of ["cat a.txt", "ls -la", "grep -r foo . | wc -l", "git status", "sha256sum f"])
+		for (const cmd of [
+			"cat a.txt",
+			"ls -la",
+			"grep -r foo . | wc -l",
+			"git status",
+			"sha256sum f",
+		])
 			expect(looksReadOnly(cmd), cmd).toBe(true);
-		for (const cmd of ["echo x > f", "cat a; rm a", "sed -i s/a/b/ f", "find . -delete", "sort -o f f", "cat $(rm x)", "git commit -m x", "python run.py"])
+		for (const cmd of [
+			"echo x > f",
+			"cat a; rm a",
+			"sed -i s/a/b/ f",
+			"find . -delete",
+			"sort -o f f",
+			"cat $(rm x)",
+			"git commit -m x",
+			"python run.py",
+		])
 			expect(looksReadOnly(cmd), cmd).toBe(false);
 	});
 
 	it("treats tools other than the shell, and args it cannot read, as state-changing", () => {
 		expect(defaultMutates({ tool: "sql", args: "select 1" })).toBe(true);
 		expect(defaultMutates({ tool: "bash", args: 42 })).toBe(true);
-		expect(defaultMutates({ tool: "bash", args: { cmd: "cat f" } })).toBe(false);
+		expect(defaultMutates({ tool: "bash", args: { cmd: "cat f" } })).toBe(
+			false,
+		);
 	});
 
 	it("lets the options decide instead", async () => {
 		const fresh = await tmp("ws-factory");
-		const factory = workspaceFactory({ root: fresh, mutates: (c) => c.tool !== "bash" });
+		const factory = workspaceFactory({
+			root: fresh,
+			mutates: (c) => c.tool !== "bash",
+		});
 		expect(factory.mutates({ tool: "bash", args: "rm -rf x" })).toBe(false);
 		expect(factory.driver).toBe("workspace");
 		// The factory's probe instance must not have made a directory.
