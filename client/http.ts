@@ -5,17 +5,21 @@
  * Worker cannot drift apart.
  */
 import type {
+	CreatedKey,
 	ErrorBody,
 	GraphPage,
 	Hit,
+	KeyInfo,
 	Lease,
 	LookupRequest,
 	LookupResponse,
 	RecordedCall,
 	RecordRequest,
+	Project,
 	RecordResponse,
 	Role,
 	SnapshotRef,
+	TaskPage,
 	TaskStats,
 } from "../core/api.ts";
 import type { Call } from "../core/ids.ts";
@@ -86,45 +90,6 @@ export class TrellisError extends Error {
 		this.retryable =
 			init.status === 0 || init.status === 429 || init.status >= 500;
 	}
-}
-
-/** A project, as `POST /v1/projects` returns it. */
-export interface Project {
-	id: string;
-	name: string;
-}
-
-/** An API key as created: `key` is the secret, shown only this once. */
-export interface CreatedKey {
-	id: string;
-	key: string;
-	project: string;
-	role: Role;
-	name: string | null;
-}
-
-/** An API key as listed: never with its secret. */
-export interface KeyInfo {
-	id: string;
-	project: string;
-	role: Role;
-	name?: string | null;
-	[field: string]: unknown;
-}
-
-/** One task of `GET /v1/tasks`; the server may add fields. */
-export interface TaskInfo {
-	task: string;
-	lookups?: number;
-	hits?: number;
-	[field: string]: unknown;
-}
-
-/** A page of `GET /v1/tasks`. */
-export interface TaskPage {
-	tasks: TaskInfo[];
-	/** Pass as `after` for the next page; null on the last. */
-	next: string | null;
 }
 
 /**

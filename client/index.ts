@@ -5,13 +5,8 @@
 export {
 	TrellisClient,
 	TrellisError,
-	type CreatedKey,
-	type KeyInfo,
 	type LookupInput,
-	type Project,
 	type RecordInput,
-	type TaskInfo,
-	type TaskPage,
 	type TrellisClientOptions,
 } from "./http.ts";
 export {

@@ -281,6 +281,51 @@ export interface GraphPage {
 	next: number | null;
 }
 
+/** A project, as `POST /v1/projects` returns it. */
+export interface Project {
+	id: string;
+	name: string;
+}
+
+/** An API key as created: `key` is the secret, shown only this once. */
+export interface CreatedKey {
+	id: string;
+	key: string;
+	project: string;
+	role: Role;
+	name: string | null;
+}
+
+/** An API key as listed: never with its secret. */
+export interface KeyInfo {
+	id: string;
+	project: string;
+	role: Role;
+	name: string | null;
+	createdAt: number;
+	revokedAt: number | null;
+}
+
+/** One task of `GET /v1/tasks`, from the task index. */
+export interface TaskInfo {
+	task: string;
+	createdAt: number;
+	lastUsedAt: number;
+	nodes: number;
+	snapshots: number;
+	/** Output and snapshot bytes. */
+	bytes: number;
+	lookups: number;
+	hits: number;
+}
+
+/** A page of `GET /v1/tasks`. */
+export interface TaskPage {
+	tasks: TaskInfo[];
+	/** Pass as `after` for the next page; null on the last. */
+	next: string | null;
+}
+
 export interface ErrorBody {
 	error: { code: string; message: string; details?: unknown };
 }

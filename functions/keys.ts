@@ -3,7 +3,12 @@
  * project or by the root admin key.
  */
 import { Hono } from "hono";
-import { CreateKeyRequest, LIMITS } from "../core/api.ts";
+import {
+	CreateKeyRequest,
+	LIMITS,
+	type CreatedKey,
+	type KeyInfo,
+} from "../core/api.ts";
 import { now } from "../core/clock.ts";
 import type { AppEnv, Principal } from "./app.ts";
 import { allow, forgetKey, hashKey, newKey } from "./auth.ts";
@@ -54,7 +59,13 @@ keys.post(
 			.bind(id, project, req.role, req.name ?? null, hashKey(key), now())
 			.run();
 		return c.json(
-			{ id, key, project, role: req.role, name: req.name ?? null },
+			{
+				id,
+				key,
+				project,
+				role: req.role,
+				name: req.name ?? null,
+			} satisfies CreatedKey,
 			201,
 		);
 	},
@@ -63,20 +74,13 @@ keys.post(
 keys.get("/", admin, async (c) => {
 	const project = projectOf(c.get("principal"), c.req.query("project"));
 	const { results } = await c.env.DB.prepare(
-		"select id, project_id, role, name, created_at, revoked_at from api_keys where project_id = ?1 order by created_at",
+		`select id, project_id as project, role, name, created_at as createdAt,
+		   revoked_at as revokedAt
+		 from api_keys where project_id = ?1 order by created_at`,
 	)
 		.bind(project)
-		.all<Record<string, string | number | null>>();
-	return c.json({
-		keys: results.map((r) => ({
-			id: r.id,
-			project: r.project_id,
-			role: r.role,
-			name: r.name,
-			createdAt: r.created_at,
-			revokedAt: r.revoked_at,
-		})),
-	});
+		.all<KeyInfo>();
+	return c.json({ keys: results });
 });
 
 keys.delete("/:id", admin, async (c) => {

@@ -1,6 +1,6 @@
 /** Projects: created by the root admin key only. */
 import { Hono } from "hono";
-import { CreateProjectRequest, LIMITS } from "../core/api.ts";
+import { CreateProjectRequest, LIMITS, type Project } from "../core/api.ts";
 import { now } from "../core/clock.ts";
 import type { AppEnv } from "./app.ts";
 import { allow } from "./auth.ts";
@@ -23,6 +23,6 @@ projects.post(
 			.run();
 		if (r.meta.changes === 0)
 			throw apiError(409, "project_exists", `project ${name} exists`);
-		return c.json({ id: name, name }, 201);
+		return c.json({ id: name, name } satisfies Project, 201);
 	},
 );

@@ -16,6 +16,8 @@ import {
 	type Hit,
 	type LookupResponse,
 	type Miss,
+	type TaskInfo,
+	type TaskPage,
 } from "../core/api.ts";
 import {
 	callKey,
@@ -88,25 +90,17 @@ tasks.get(
 			throw apiError(403, "forbidden", "the root admin key sees no task");
 		const { after, limit } = c.req.valid("query");
 		const { results } = await c.env.DB.prepare(
-			`select task, created_at, last_used_at, nodes, snapshots, bytes, lookups, hits
-		 from tasks where project_id = ?1 and task > ?2 order by task limit ?3`,
+			`select task, created_at as createdAt, last_used_at as lastUsedAt, nodes,
+			   snapshots, bytes, lookups, hits
+			 from tasks where project_id = ?1 and task > ?2 order by task limit ?3`,
 		)
 			.bind(p.project, after ?? "", limit + 1)
-			.all<Record<string, number | string>>();
+			.all<TaskInfo>();
 		const page = results.slice(0, limit);
 		return c.json({
-			tasks: page.map((r) => ({
-				task: r.task,
-				createdAt: r.created_at,
-				lastUsedAt: r.last_used_at,
-				nodes: r.nodes,
-				snapshots: r.snapshots,
-				bytes: r.bytes,
-				lookups: r.lookups,
-				hits: r.hits,
-			})),
+			tasks: page,
 			next: results.length > limit ? page[page.length - 1].task : null,
-		});
+		} satisfies TaskPage);
 	},
 );
 
