@@ -475,8 +475,11 @@ export class CachedToolExecutor {
 		try {
 			await this.#client.releaseLease(this.task, id);
 		} catch (err) {
-			// An expired lease is as good as released.
-			if (!(err instanceof TrellisError) || err.status !== 404) throw err;
+			// An expired or forgotten lease is as good as released.
+			const gone =
+				err instanceof TrellisError &&
+				(err.code === "lease_expired" || err.code === "lease_not_found");
+			if (!gone) throw err;
 		}
 	}
 
