@@ -119,6 +119,12 @@ export interface LoadResult {
 	maxSendLagMs: number;
 	/** True when the generator could not keep its own schedule. */
 	behind: boolean;
+	/**
+	 * Worst latency (ms) of the ok responses per 100 ms of intended send
+	 * time: periodic stalls (a timer, a flush, GC) show up as a pattern here
+	 * that percentiles flatten away.
+	 */
+	timelineMaxMs: number[];
 	/** Generator process CPU over the run, as a fraction of one core. */
 	generatorCpu: number;
 	/** All cores busy over the run, as a fraction of the whole machine. */
@@ -162,6 +168,8 @@ export function summarize(h: hdr.Histogram): LatencySummary {
 		count: h.totalCount,
 	};
 }
+
+const TIMELINE_MS = 100;
 
 /** Milliseconds since an arbitrary origin, sub-ms resolution. */
 const now = () => performance.now();
@@ -249,6 +257,9 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 	let sent = 0;
 	let lastCompletion = 0;
 	const pending = new Set<Promise<void>>();
+	const timeline = new Array<number>(
+		Math.ceil(opts.durationMs / TIMELINE_MS),
+	).fill(0);
 
 	const fail = (measured: boolean, kind: ErrorKind, why: string) => {
 		if (!measured) {
@@ -330,6 +341,10 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 			}
 			ok++;
 			recordMs(hist, done - intended);
+			const slot = Math.floor((intended - measureStart) / TIMELINE_MS);
+			if (slot >= 0 && slot < timeline.length) {
+				timeline[slot] = Math.max(timeline[slot], done - intended);
+			}
 		} catch (err) {
 			if (cutOff) {
 				fail(measured, "unfinished", `no answer within ${drainMs} ms`);
@@ -431,6 +446,7 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 		lateSends,
 		maxSendLagMs: Math.round(maxSendLagMs * 10) / 10,
 		behind: lateSends > 0,
+		timelineMaxMs: timeline.map((v) => Math.round(v * 10) / 10),
 		generatorCpu: (cpu.user + cpu.system) / 1000 / wall,
 		machineCpu:
 			ticks1.total > ticks0.total

@@ -20,8 +20,17 @@
  * Flags: --rates 256,512 --duration 10 --warmup 2 --paths 8192 --quick
  *        --url URL --key KEY (a trainer key) --no-cursor --out FILE
  *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
+ *        --direct (bypass wrangler's dev proxy; see directUrl)
  */
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import {
+	mkdirSync,
+	mkdtempSync,
+	readdirSync,
+	readFileSync,
+	readlinkSync,
+	rmSync,
+	writeFileSync,
+} from "node:fs";
 import { cpus, loadavg, tmpdir, totalmem, type } from "node:os";
 import { dirname, join } from "node:path";
 import { execFileSync } from "node:child_process";
@@ -63,6 +72,7 @@ const { values: flags } = parseArgs({
 		connections: { type: "string" },
 		"output-bytes": { type: "string" },
 		seed: { type: "string" },
+		direct: { type: "boolean", default: false },
 	},
 	strict: true,
 });
@@ -92,20 +102,24 @@ const opts = {
 		: undefined,
 	outputBytes: Math.floor(num(flags["output-bytes"], 512, "output-bytes")),
 	seed: Math.floor(num(flags.seed, 1, "seed")),
+	direct: flags.direct,
 	// A smoke run must not overwrite the committed figures; *.tmp is ignored.
 	out:
 		flags.out ??
 		(quick
 			? "bench/results/lookup-quick.json.tmp"
-			: "bench/results/lookup.json"),
+			: `bench/results/lookup${flags.direct ? "-direct" : ""}.json`),
 	chart:
 		flags.chart ??
 		(quick
 			? "bench/results/lookup-quick.svg.tmp"
-			: "docs/benchmarks-lookup.svg"),
+			: `docs/benchmarks-lookup${flags.direct ? "-direct" : ""}.svg`),
 };
 if ((flags.url === undefined) !== (flags.key === undefined)) {
 	throw new Error("give both --url and --key (a trainer key), or neither");
+}
+if (flags.direct && flags.url !== undefined) {
+	throw new Error("--direct applies to the local stack, not to --url");
 }
 
 /** The targets, from the issue. */
@@ -215,6 +229,121 @@ interface Target {
 	key: string;
 	stop(): Promise<void>;
 	kind: "local-stack" | "url";
+	/** The local stack's process group, to measure its CPU; null for --url. */
+	pgid: number | null;
+}
+
+/**
+ * CPU time of every process in a process group, by role, in ms, from
+ * /proc (Linux only; empty elsewhere). `wrangler dev` runs two workerd
+ * processes: a proxy that owns the public port and forwards every request,
+ * and the one that runs the Worker and its Durable Objects. Splitting CPU by
+ * process shows what a request costs each of them.
+ */
+function groupCpuMs(pgid: number | null): Record<string, number> {
+	const out: Record<string, number> = {};
+	if (pgid === null) return out;
+	let pids: string[];
+	try {
+		pids = readdirSync("/proc").filter((d) => /^[0-9]+$/.test(d));
+	} catch {
+		return out;
+	}
+	for (const pid of pids) {
+		try {
+			const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+			// Fields after the parenthesized command name, which may hold spaces.
+			const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+			if (Number(f[2]) !== pgid) continue;
+			const cmd = readFileSync(`/proc/${pid}/cmdline`, "utf8");
+			const role = cmd.includes("workerd")
+				? cmd.includes("--inspector-addr")
+					? "workerd (worker)"
+					: "workerd (proxy)"
+				: cmd.includes("esbuild")
+					? "esbuild"
+					: "wrangler (node)";
+			// utime + stime, in clock ticks of 10 ms (CLK_TCK 100 on Linux).
+			const ticks = Number(f[11]) + Number(f[12]);
+			out[role] = (out[role] ?? 0) + ticks * 10;
+		} catch {
+			// The process exited between the listing and the read.
+		}
+	}
+	return out;
+}
+
+/**
+ * The loopback address of the workerd that runs the Worker, bypassing
+ * wrangler's dev proxy (a second workerd that owns the public port and
+ * forwards every request, at a CPU cost comparable to the Worker's own on
+ * this machine; production has no such hop). wrangler does not print it, so
+ * it is found from /proc: the listening sockets of that process, probed with
+ * `GET /healthz` (only the entry socket answers "ok"). Linux only, and a
+ * diagnostic: the advertised URL stays the default.
+ */
+async function directUrl(pgid: number): Promise<string> {
+	const inodes = new Set<string>();
+	for (const pid of readdirSync("/proc").filter((d) => /^[0-9]+$/.test(d))) {
+		try {
+			const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+			const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+			if (Number(f[2]) !== pgid) continue;
+			const cmd = readFileSync(`/proc/${pid}/cmdline`, "utf8");
+			if (!cmd.includes("workerd") || !cmd.includes("--inspector-addr"))
+				continue;
+			for (const fd of readdirSync(`/proc/${pid}/fd`)) {
+				try {
+					const m = /^socket:\[([0-9]+)\]$/.exec(
+						readlinkSync(`/proc/${pid}/fd/${fd}`),
+					);
+					if (m) inodes.add(m[1]);
+				} catch {
+					// The descriptor closed while listing.
+				}
+			}
+		} catch {
+			// The process exited while listing.
+		}
+	}
+	const ports: number[] = [];
+	for (const line of readFileSync("/proc/net/tcp", "utf8")
+		.split("\n")
+		.slice(1)) {
+		const f = line.trim().split(/\s+/);
+		// f[1] local address hex "0100007F:PORT", f[3] state (0A = LISTEN), f[9] inode.
+		if (f.length > 9 && f[3] === "0A" && inodes.has(f[9])) {
+			ports.push(parseInt(f[1].split(":")[1], 16));
+		}
+	}
+	for (const port of ports) {
+		const origin = `http://127.0.0.1:${port}`;
+		try {
+			const res = await fetch(`${origin}/healthz`, {
+				signal: AbortSignal.timeout(2000),
+			});
+			if (res.ok && (await res.text()) === "ok") return origin;
+		} catch {
+			// Not an HTTP socket, or not the entry: try the next one.
+		}
+	}
+	throw new Error(
+		`--direct: no listening socket of the Worker's workerd answered /healthz ` +
+			`(ports ${ports.join(", ") || "none"})`,
+	);
+}
+
+function cpuDelta(
+	before: Record<string, number>,
+	after: Record<string, number>,
+	requests: number,
+): Record<string, number> {
+	const out: Record<string, number> = {};
+	for (const [k, v] of Object.entries(after)) {
+		const ms = (v - (before[k] ?? 0)) / Math.max(1, requests);
+		out[k] = Math.round(ms * 1000) / 1000;
+	}
+	return out;
 }
 
 async function startTarget(): Promise<Target> {
@@ -224,16 +353,30 @@ async function startTarget(): Promise<Target> {
 			key: flags.key,
 			stop: async () => {},
 			kind: "url",
+			pgid: null,
 		};
 	}
 	const persistTo = mkdtempSync(join(tmpdir(), "trellis-bench-"));
 	process.stderr.write(`starting the local stack (state in ${persistTo})\n`);
 	const { startLocalStack } = await import("../bin/local-stack.ts");
 	const stack = await startLocalStack({ persistTo, quiet: true });
+	let url = new URL(stack.url).origin;
+	if (opts.direct) {
+		try {
+			url = await directUrl(stack.pid);
+		} catch (err) {
+			await stack.stop();
+			throw err;
+		}
+		process.stderr.write(
+			`--direct: sending to the Worker's workerd at ${url}\n`,
+		);
+	}
 	return {
-		url: new URL(stack.url).origin,
+		url,
 		key: stack.trainerKey,
 		kind: "local-stack",
+		pgid: stack.pid,
 		stop: async () => {
 			await stack.stop();
 			rmSync(persistTo, { recursive: true, force: true });
@@ -362,6 +505,8 @@ interface RouteRun extends LoadResult {
 	route: Route;
 	/** Where the ok hits were answered, from `Server-Timing`. */
 	sources?: Record<"edge" | "graph" | "unknown", number>;
+	/** CPU ms per request (warm-up included) of each local stack process. */
+	stackCpuMsPerRequest: Record<string, number>;
 	/** The handler's own `Server-Timing` total for the ok hits. */
 	serverUs?: LatencySummary;
 }
@@ -413,6 +558,7 @@ async function runRoute(
 			};
 		};
 	}
+	const cpu0 = groupCpuMs(t.pgid);
 	const r = await runLoad({
 		name: `${rate}/s ${route}`,
 		origin: t.url,
@@ -422,9 +568,17 @@ async function runRoute(
 		connections: opts.connections,
 		request,
 	});
+	const sent = r.scheduled + Math.floor((opts.warmupMs / 1000) * rate);
+	const stackCpuMsPerRequest = cpuDelta(cpu0, groupCpuMs(t.pgid), sent);
 	return route === "floor"
-		? { ...r, route }
-		: { ...r, route, sources, serverUs: summarize(server) };
+		? { ...r, route, stackCpuMsPerRequest }
+		: {
+				...r,
+				route,
+				stackCpuMsPerRequest,
+				sources,
+				serverUs: summarize(server),
+			};
 }
 
 interface PairRun {
@@ -782,6 +936,7 @@ try {
 						? `, ${r.sources.edge} edge / ${r.sources.graph} graph hits, ` +
 							`server p50 ${ms(r.serverUs!.p50)} ms`
 						: "") +
+					`; stack CPU ms/request ${JSON.stringify(r.stackCpuMsPerRequest)}` +
 					"\n",
 			);
 		}
