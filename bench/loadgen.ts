@@ -125,6 +125,8 @@ export interface LoadResult {
 	 * that percentiles flatten away.
 	 */
 	timelineMaxMs: number[];
+	/** Wall time of the whole run: warm-up, measured phase and drain. */
+	wallMs: number;
 	/** Generator process CPU over the run, as a fraction of one core. */
 	generatorCpu: number;
 	/** All cores busy over the run, as a fraction of the whole machine. */
@@ -447,6 +449,7 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 		maxSendLagMs: Math.round(maxSendLagMs * 10) / 10,
 		behind: lateSends > 0,
 		timelineMaxMs: timeline.map((v) => Math.round(v * 10) / 10),
+		wallMs: Math.round(wall),
 		generatorCpu: (cpu.user + cpu.system) / 1000 / wall,
 		machineCpu:
 			ticks1.total > ticks0.total

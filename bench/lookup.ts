@@ -507,8 +507,45 @@ interface RouteRun extends LoadResult {
 	sources?: Record<"edge" | "graph" | "unknown", number>;
 	/** CPU ms per request (warm-up included) of each local stack process. */
 	stackCpuMsPerRequest: Record<string, number>;
+	/**
+	 * Cores busy with anything but the generator and the stack over the run
+	 * (other work on a shared machine): a run with a high figure here is
+	 * suspect. Null for --url.
+	 */
+	otherCores: number | null;
+	/** Time spent waiting for the stack to settle before this run, ms. */
+	settleMs: number;
 	/** The handler's own `Server-Timing` total for the ok hits. */
 	serverUs?: LatencySummary;
+}
+
+/**
+ * Waits until the stack answers `/healthz` promptly again: after an
+ * overloaded run, workerd can still be working through requests whose
+ * connections the generator has closed, and the next run would pay for
+ * them. Bounded: gives up after 20 s and says so in the result.
+ */
+async function settle(t: Target): Promise<number> {
+	const start = performance.now();
+	const pool = new Pool(t.url, { connections: 1, pipelining: 1 });
+	await new Promise((r) => setTimeout(r, 500));
+	let fast = 0;
+	try {
+		while (fast < 5 && performance.now() - start < 20_000) {
+			const t0 = performance.now();
+			try {
+				const res = await request(pool, "GET", "/healthz", {});
+				const took = performance.now() - t0;
+				fast = res.status === 200 && took < 10 ? fast + 1 : 0;
+			} catch {
+				fast = 0;
+			}
+			await new Promise((r) => setTimeout(r, 20));
+		}
+	} finally {
+		await pool.destroy();
+	}
+	return Math.round(performance.now() - start);
 }
 
 async function runRoute(
@@ -558,6 +595,7 @@ async function runRoute(
 			};
 		};
 	}
+	const settleMs = await settle(t);
 	const cpu0 = groupCpuMs(t.pgid);
 	const r = await runLoad({
 		name: `${rate}/s ${route}`,
@@ -569,13 +607,31 @@ async function runRoute(
 		request,
 	});
 	const sent = r.scheduled + Math.floor((opts.warmupMs / 1000) * rate);
-	const stackCpuMsPerRequest = cpuDelta(cpu0, groupCpuMs(t.pgid), sent);
+	const stackCpu = cpuDelta(cpu0, groupCpuMs(t.pgid), 1);
+	const stackCpuMsPerRequest = Object.fromEntries(
+		Object.entries(stackCpu).map(([k, v]) => [
+			k,
+			Math.round((v / sent) * 1000) / 1000,
+		]),
+	);
+	const stackMs = Object.values(stackCpu).reduce((a, b) => a + b, 0);
+	const otherCores =
+		t.pgid === null
+			? null
+			: Math.max(
+					0,
+					Math.round(
+						(r.machineCpu * cpus().length -
+							r.generatorCpu -
+							stackMs / r.wallMs) *
+							100,
+					) / 100,
+				);
+	const common = { ...r, route, stackCpuMsPerRequest, otherCores, settleMs };
 	return route === "floor"
-		? { ...r, route, stackCpuMsPerRequest }
+		? common
 		: {
-				...r,
-				route,
-				stackCpuMsPerRequest,
+				...common,
 				sources,
 				serverUs: summarize(server),
 			};
@@ -798,6 +854,9 @@ function judge(runs: RouteRun[]): Line[] {
 			notes.push(`p50 over ${TARGET.hitOverFloor}x floor`);
 		}
 		if (r.behind) notes.push(`generator late ${r.lateSends}x`);
+		if (r.otherCores !== null && r.otherCores > 0.25) {
+			notes.push(`other load ${r.otherCores} cores`);
+		}
 		if (r.sources) {
 			const n = r.sources.edge + r.sources.graph + r.sources.unknown;
 			if (n > 0) notes.push(`${Math.round((100 * r.sources.edge) / n)}% edge`);
@@ -937,6 +996,7 @@ try {
 							`server p50 ${ms(r.serverUs!.p50)} ms`
 						: "") +
 					`; stack CPU ms/request ${JSON.stringify(r.stackCpuMsPerRequest)}` +
+					`, other load ${r.otherCores ?? "?"} cores, settled in ${r.settleMs} ms` +
 					"\n",
 			);
 		}
