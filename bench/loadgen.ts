@@ -125,6 +125,8 @@ export interface LoadResult {
 	 * that percentiles flatten away.
 	 */
 	timelineMaxMs: number[];
+	/** Requests that got a response, warm-up included: the work the server did. */
+	answeredTotal: number;
 	/** Wall time of the whole run: warm-up, measured phase and drain. */
 	wallMs: number;
 	/** Generator process CPU over the run, as a fraction of one core. */
@@ -258,6 +260,7 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 	let inFlight = 0;
 	let sent = 0;
 	let lastCompletion = 0;
+	let answered = 0;
 	const pending = new Set<Promise<void>>();
 	const timeline = new Array<number>(
 		Math.ceil(opts.durationMs / TIMELINE_MS),
@@ -326,6 +329,7 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 			// its output has arrived.
 			const text = await res.body.text();
 			const done = now();
+			answered++;
 			if (!measured) {
 				if (res.statusCode < 200 || res.statusCode > 299) warmupErrors++;
 				return;
@@ -449,6 +453,7 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 		maxSendLagMs: Math.round(maxSendLagMs * 10) / 10,
 		behind: lateSends > 0,
 		timelineMaxMs: timeline.map((v) => Math.round(v * 10) / 10),
+		answeredTotal: answered,
 		wallMs: Math.round(wall),
 		generatorCpu: (cpu.user + cpu.system) / 1000 / wall,
 		machineCpu:

@@ -505,7 +505,7 @@ interface RouteRun extends LoadResult {
 	route: Route;
 	/** Where the ok hits were answered, from `Server-Timing`. */
 	sources?: Record<"edge" | "graph" | "unknown", number>;
-	/** CPU ms per request (warm-up included) of each local stack process. */
+	/** CPU ms per answered request (warm-up included) of each stack process. */
 	stackCpuMsPerRequest: Record<string, number>;
 	/**
 	 * Cores busy with anything but the generator and the stack over the run
@@ -606,7 +606,9 @@ async function runRoute(
 		connections: opts.connections,
 		request,
 	});
-	const sent = r.scheduled + Math.floor((opts.warmupMs / 1000) * rate);
+	// Per answered request: at overload many are dropped or cut off, and
+	// dividing by the scheduled count would make them look cheap.
+	const sent = Math.max(1, r.answeredTotal);
 	const stackCpu = cpuDelta(cpu0, groupCpuMs(t.pgid), 1);
 	const stackCpuMsPerRequest = Object.fromEntries(
 		Object.entries(stackCpu).map(([k, v]) => [
