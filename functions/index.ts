@@ -6,6 +6,7 @@ import { Hono } from "hono";
 import type { AppEnv } from "./app.ts";
 import { authenticate } from "./auth.ts";
 import { notFound, onError } from "./errors.ts";
+import { hosts } from "./hosts.ts";
 import { keys } from "./keys.ts";
 import { projects } from "./projects.ts";
 import { sweep } from "./scheduled.ts";
@@ -22,6 +23,7 @@ app.get("/healthz", (c) => c.text("ok"));
 app.use("/v1/*", authenticate);
 app.route("/v1/projects", projects);
 app.route("/v1/keys", keys);
+app.route("/v1/hosts", hosts);
 app.route("/v1/tasks", tasks);
 app.route("/v1/tasks", snapshots);
 

@@ -51,3 +51,28 @@ export const tasks = sqliteTable(
 		index("tasks_last_used").on(t.lastUsedAt),
 	],
 );
+
+/**
+ * Container hosts of a project. `secret` signs the Worker's requests to the
+ * host (HMAC); it is issued at registration and must be kept in clear to sign.
+ */
+export const hosts = sqliteTable(
+	"hosts",
+	{
+		id: text("id").primaryKey(),
+		projectId: text("project_id").notNull(),
+		url: text("url").notNull(),
+		name: text("name"),
+		capacity: integer("capacity").notNull(),
+		/** JSON array of driver names. */
+		drivers: text("drivers").notNull(),
+		secret: text("secret").notNull(),
+		/** `down` after a failed request, until its next heartbeat. */
+		status: text("status", { enum: ["up", "down"] }).notNull(),
+		lastSeenAt: integer("last_seen_at").notNull(),
+		sandboxes: integer("sandboxes").notNull().default(0),
+		busy: integer("busy").notNull().default(0),
+		registeredAt: integer("registered_at").notNull(),
+	},
+	(t) => [index("hosts_project").on(t.projectId)],
+);
