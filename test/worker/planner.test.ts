@@ -92,6 +92,7 @@ describe("selective snapshots", () => {
 		// Past the first few samples it still moves a fifth of the way each time.
 		const later = [5, 6, 7, 8, 9, 10].reduce((v, n) => blend(v, n, 100), 1000);
 		expect(later).toBeGreaterThan(100);
-		expect(later).toBeLessThan(300);
+		// Six samples at a weight of a fifth: 100 + 900 × 0.8^6 ≈ 336.
+		expect(later).toBeCloseTo(100 + 900 * 0.8 ** 6, 6);
 	});
 });
