@@ -151,3 +151,49 @@ export function renderChart(points: Point[], title: string): string {
 	);
 	return out.join("\n") + "\n";
 }
+
+/** The fields of bench/results/lookup.json that the chart reads. */
+interface LookupResults {
+	meta: { date: string; cpus: number; target: string };
+	options: { direct?: boolean };
+	runs: {
+		route: string;
+		targetRate: number;
+		achievedRate: number;
+		latencyUs: { p50: number; p99: number };
+	}[];
+}
+
+/** The chart of one lookup benchmark run, titled with how it was run. */
+export function chartOfResults(r: LookupResults): string {
+	const via =
+		r.meta.target === "url"
+			? "--url"
+			: r.options.direct
+				? "wrangler dev, direct to the Worker"
+				: "wrangler dev, through its proxy";
+	return renderChart(
+		r.runs.map((x) => ({
+			series: x.route,
+			rate: x.targetRate,
+			p50Us: x.latencyUs.p50,
+			p99Us: x.latencyUs.p99,
+			achieved: x.achievedRate,
+		})),
+		`Exact hits vs the /healthz floor (${via}; ${r.meta.cpus} cores, ` +
+			`${r.meta.date.slice(0, 10)})`,
+	);
+}
+
+// Re-renders a chart from saved results, without running the benchmark:
+//   npx tsx bench/chart.ts bench/results/lookup.json docs/benchmarks-lookup.svg
+if (import.meta.url === `file://${process.argv[1]}`) {
+	const { readFileSync, writeFileSync } = await import("node:fs");
+	const [from, to] = process.argv.slice(2);
+	if (!from || !to) {
+		console.error("usage: tsx bench/chart.ts RESULTS.json OUT.svg");
+		process.exit(2);
+	}
+	const results = JSON.parse(readFileSync(from, "utf8")) as LookupResults;
+	writeFileSync(to, chartOfResults(results));
+}

@@ -21,6 +21,7 @@
  *        --url URL --key KEY (a trainer key) --no-cursor --out FILE
  *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
  *        --direct (bypass wrangler's dev proxy; see directUrl)
+ *        --snapshot (run the Worker from a copy of HEAD; see startTarget)
  */
 import {
 	mkdirSync,
@@ -29,6 +30,7 @@ import {
 	readFileSync,
 	readlinkSync,
 	rmSync,
+	symlinkSync,
 	writeFileSync,
 } from "node:fs";
 import { cpus, loadavg, tmpdir, totalmem, type } from "node:os";
@@ -51,7 +53,7 @@ import {
 	type LoadResult,
 	type RequestSpec,
 } from "./loadgen.ts";
-import { renderChart } from "./chart.ts";
+import { chartOfResults } from "./chart.ts";
 
 // ---------------------------------------------------------------- options
 
@@ -73,6 +75,7 @@ const { values: flags } = parseArgs({
 		"output-bytes": { type: "string" },
 		seed: { type: "string" },
 		direct: { type: "boolean", default: false },
+		snapshot: { type: "boolean", default: false },
 	},
 	strict: true,
 });
@@ -103,6 +106,7 @@ const opts = {
 	outputBytes: Math.floor(num(flags["output-bytes"], 512, "output-bytes")),
 	seed: Math.floor(num(flags.seed, 1, "seed")),
 	direct: flags.direct,
+	snapshot: flags.snapshot,
 	// A smoke run must not overwrite the committed figures; *.tmp is ignored.
 	out:
 		flags.out ??
@@ -118,8 +122,10 @@ const opts = {
 if ((flags.url === undefined) !== (flags.key === undefined)) {
 	throw new Error("give both --url and --key (a trainer key), or neither");
 }
-if (flags.direct && flags.url !== undefined) {
-	throw new Error("--direct applies to the local stack, not to --url");
+if ((flags.direct || flags.snapshot) && flags.url !== undefined) {
+	throw new Error(
+		"--direct and --snapshot apply to the local stack, not --url",
+	);
 }
 
 /** The targets, from the issue. */
@@ -240,14 +246,19 @@ interface Target {
  * and the one that runs the Worker and its Durable Objects. Splitting CPU by
  * process shows what a request costs each of them.
  */
-function groupCpuMs(pgid: number | null): Record<string, number> {
+function groupCpuMs(pgid: number | null): {
+	ms: Record<string, number>;
+	/** "role pid" of every process seen: a change means a restart. */
+	procs: string[];
+} {
 	const out: Record<string, number> = {};
-	if (pgid === null) return out;
+	const procs: string[] = [];
+	if (pgid === null) return { ms: out, procs };
 	let pids: string[];
 	try {
 		pids = readdirSync("/proc").filter((d) => /^[0-9]+$/.test(d));
 	} catch {
-		return out;
+		return { ms: out, procs };
 	}
 	for (const pid of pids) {
 		try {
@@ -266,11 +277,12 @@ function groupCpuMs(pgid: number | null): Record<string, number> {
 			// utime + stime, in clock ticks of 10 ms (CLK_TCK 100 on Linux).
 			const ticks = Number(f[11]) + Number(f[12]);
 			out[role] = (out[role] ?? 0) + ticks * 10;
+			if (role.startsWith("workerd")) procs.push(`${role} ${pid}`);
 		} catch {
 			// The process exited between the listing and the read.
 		}
 	}
-	return out;
+	return { ms: out, procs: procs.sort() };
 }
 
 /**
@@ -358,14 +370,48 @@ async function startTarget(): Promise<Target> {
 	}
 	const persistTo = mkdtempSync(join(tmpdir(), "trellis-bench-"));
 	process.stderr.write(`starting the local stack (state in ${persistTo})\n`);
-	const { startLocalStack } = await import("../bin/local-stack.ts");
-	const stack = await startLocalStack({ persistTo, quiet: true });
+	let copy: string | null = null;
+	let startLocalStack: typeof import("../bin/local-stack.ts").startLocalStack;
+	if (opts.snapshot) {
+		// wrangler dev watches its sources and restarts the Worker on every
+		// change; in a tree someone is editing, that lands mid-run. A copy
+		// of the last commit is a tree nobody edits.
+		copy = mkdtempSync(join(tmpdir(), "trellis-bench-tree-"));
+		const root = execFileSync("git", ["rev-parse", "--show-toplevel"], {
+			encoding: "utf8",
+		}).trim();
+		const head = gitCommit();
+		if (head !== null) process.env.TRELLIS_BENCH_COMMIT = head;
+		execFileSync("sh", ["-c", `git archive HEAD | tar -x -C "${copy}"`], {
+			cwd: root,
+		});
+		symlinkSync(join(root, "node_modules"), join(copy, "node_modules"));
+		process.stderr.write(
+			`--snapshot: running the Worker of ${process.env.TRELLIS_BENCH_COMMIT} from ${copy}\n`,
+		);
+		({ startLocalStack } = (await import(
+			join(copy, "bin", "local-stack.ts")
+		)) as typeof import("../bin/local-stack.ts"));
+	} else {
+		({ startLocalStack } = await import("../bin/local-stack.ts"));
+	}
+	const removeCopy = () => {
+		if (copy !== null) rmSync(copy, { recursive: true, force: true });
+	};
+	let stack: Awaited<ReturnType<typeof startLocalStack>>;
+	try {
+		stack = await startLocalStack({ persistTo, quiet: true });
+	} catch (err) {
+		removeCopy();
+		throw err;
+	}
 	let url = new URL(stack.url).origin;
 	if (opts.direct) {
 		try {
 			url = await directUrl(stack.pid);
 		} catch (err) {
 			await stack.stop();
+			removeCopy();
 			throw err;
 		}
 		process.stderr.write(
@@ -380,6 +426,7 @@ async function startTarget(): Promise<Target> {
 		stop: async () => {
 			await stack.stop();
 			rmSync(persistTo, { recursive: true, force: true });
+			removeCopy();
 		},
 	};
 }
@@ -515,6 +562,8 @@ interface RouteRun extends LoadResult {
 	otherCores: number | null;
 	/** Time spent waiting for the stack to settle before this run, ms. */
 	settleMs: number;
+	/** The Worker's workerd was replaced during the run: figures invalid. */
+	restarted: boolean;
 	/** The handler's own `Server-Timing` total for the ok hits. */
 	serverUs?: LatencySummary;
 }
@@ -609,7 +658,11 @@ async function runRoute(
 	// Per answered request: at overload many are dropped or cut off, and
 	// dividing by the scheduled count would make them look cheap.
 	const sent = Math.max(1, r.answeredTotal);
-	const stackCpu = cpuDelta(cpu0, groupCpuMs(t.pgid), 1);
+	const cpu1 = groupCpuMs(t.pgid);
+	// wrangler dev reloads the Worker when a source file changes, which
+	// starts a new workerd: the run then measured a restart, not the cache.
+	const restarted = cpu0.procs.join() !== cpu1.procs.join();
+	const stackCpu = restarted ? {} : cpuDelta(cpu0.ms, cpu1.ms, 1);
 	const stackCpuMsPerRequest = Object.fromEntries(
 		Object.entries(stackCpu).map(([k, v]) => [
 			k,
@@ -618,7 +671,7 @@ async function runRoute(
 	);
 	const stackMs = Object.values(stackCpu).reduce((a, b) => a + b, 0);
 	const otherCores =
-		t.pgid === null
+		t.pgid === null || restarted
 			? null
 			: Math.max(
 					0,
@@ -629,7 +682,14 @@ async function runRoute(
 							100,
 					) / 100,
 				);
-	const common = { ...r, route, stackCpuMsPerRequest, otherCores, settleMs };
+	const common = {
+		...r,
+		route,
+		stackCpuMsPerRequest,
+		otherCores,
+		settleMs,
+		restarted,
+	};
 	return route === "floor"
 		? common
 		: {
@@ -845,7 +905,8 @@ function judge(runs: RouteRun[]): Line[] {
 				? r.latencyUs.p50 / floor.latencyUs.p50
 				: null;
 		const notes: string[] = [];
-		let pass = r.errors === 0;
+		let pass = r.errors === 0 && !r.restarted;
+		if (r.restarted) notes.push("INVALID: the Worker restarted mid-run");
 		if (r.errors > 0) notes.push(`${r.errors} errors`);
 		if (r.route === "floor") {
 			if (!sustained) notes.push("floor not sustained");
@@ -942,6 +1003,9 @@ function table(lines: Line[], pairs: PairRun, floor: PairRun): string {
 }
 
 function gitCommit(): string | null {
+	// Set when the benchmark runs from an exported copy of the tree (see
+	// docs/benchmarks.md: wrangler dev reloads on every edit in a live one).
+	if (process.env.TRELLIS_BENCH_COMMIT) return process.env.TRELLIS_BENCH_COMMIT;
 	try {
 		return execFileSync("git", ["rev-parse", "--short", "HEAD"], {
 			encoding: "utf8",
@@ -1052,20 +1116,7 @@ try {
 	mkdirSync(dirname(opts.out), { recursive: true });
 	writeFileSync(opts.out, JSON.stringify(result, null, "\t") + "\n");
 	mkdirSync(dirname(opts.chart), { recursive: true });
-	writeFileSync(
-		opts.chart,
-		renderChart(
-			runs.map((r) => ({
-				series: r.route,
-				rate: r.targetRate,
-				p50Us: r.latencyUs.p50,
-				p99Us: r.latencyUs.p99,
-				achieved: r.achievedRate,
-			})),
-			`Trellis exact-hit lookups vs the /healthz floor (${cpus().length} cores, ` +
-				`${started.toISOString().slice(0, 10)})`,
-		),
-	);
+	writeFileSync(opts.chart, chartOfResults(result));
 	process.stderr.write(`wrote ${opts.out} and ${opts.chart}\n`);
 } catch (err) {
 	console.error(err);
