@@ -1,0 +1,26 @@
+/**
+ * The container host: run sandboxes where they live and serve them to the
+ * Worker over signed HTTP. See `host/server.ts` for the service and
+ * `host/registry.ts` for how drivers plug in by name.
+ */
+export {
+	capOutput,
+	createHost,
+	isBlobKey,
+	type Host,
+	type HostEnv,
+	type HostOptions,
+} from "./server.ts";
+export {
+	DEFAULT_DATABASES,
+	DEFAULT_IMAGE,
+	DriverUnavailableError,
+	LOADERS,
+	UnknownTemplateError,
+	loadDrivers,
+	type DriverConfig,
+	type DriverLoader,
+	type ExecLimits,
+	type HostDriver,
+	type LoadedDrivers,
+} from "./registry.ts";
