@@ -22,6 +22,7 @@
  *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
  *        --direct (bypass wrangler's dev proxy; see directUrl)
  *        --snapshot (run the Worker from a copy of HEAD; see startTarget)
+ *        --retries 2 (re-runs of a rate disturbed by other load)
  */
 import {
 	mkdirSync,
@@ -76,6 +77,7 @@ const { values: flags } = parseArgs({
 		seed: { type: "string" },
 		direct: { type: "boolean", default: false },
 		snapshot: { type: "boolean", default: false },
+		retries: { type: "string" },
 	},
 	strict: true,
 });
@@ -107,6 +109,13 @@ const opts = {
 	seed: Math.floor(num(flags.seed, 1, "seed")),
 	direct: flags.direct,
 	snapshot: flags.snapshot,
+	/** Re-runs of a rate whose runs saw other load on the machine. */
+	retries:
+		flags.retries === undefined
+			? 2
+			: Math.floor(Number(flags.retries)) >= 0
+				? Math.floor(Number(flags.retries))
+				: 2,
 	// A smoke run must not overwrite the committed figures; *.tmp is ignored.
 	out:
 		flags.out ??
@@ -564,6 +573,8 @@ interface RouteRun extends LoadResult {
 	settleMs: number;
 	/** The Worker's workerd was replaced during the run: figures invalid. */
 	restarted: boolean;
+	/** Which try of this rate it was (see --retries). */
+	attempt?: number;
 	/** The handler's own `Server-Timing` total for the ok hits. */
 	serverUs?: LatencySummary;
 }
@@ -917,7 +928,7 @@ function judge(runs: RouteRun[]): Line[] {
 			notes.push(`p50 over ${TARGET.hitOverFloor}x floor`);
 		}
 		if (r.behind) notes.push(`generator late ${r.lateSends}x`);
-		if (r.otherCores !== null && r.otherCores > 0.25) {
+		if (r.otherCores !== null && r.otherCores > NOISY_CORES) {
 			notes.push(`other load ${r.otherCores} cores`);
 		}
 		if (r.sources) {
@@ -1017,6 +1028,25 @@ function gitCommit(): string | null {
 
 // ---------------------------------------------------------------- main
 
+/** Other load above this many cores makes a run suspect. */
+const NOISY_CORES = 0.25;
+
+function logRun(r: RouteRun): void {
+	process.stderr.write(
+		`${r.targetRate}/s ${r.route}: achieved ${r.achievedRate.toFixed(0)}, ` +
+			`p50 ${ms(r.latencyUs.p50)} p99 ${ms(r.latencyUs.p99)} ms, ` +
+			`${r.errors} errors, generator ${(100 * r.generatorCpu).toFixed(0)}% ` +
+			`of a core, machine ${(100 * r.machineCpu).toFixed(0)}% busy` +
+			(r.sources
+				? `, ${r.sources.edge} edge / ${r.sources.graph} graph hits, ` +
+					`server p50 ${ms(r.serverUs!.p50)} ms`
+				: "") +
+			`; stack CPU ms/request ${JSON.stringify(r.stackCpuMsPerRequest)}` +
+			`, other load ${r.otherCores ?? "?"} cores, settled in ${r.settleMs} ms` +
+			"\n",
+	);
+}
+
 const runId = Date.now().toString(36);
 const task = `bench-lookup-${runId}`;
 const started = new Date();
@@ -1049,23 +1079,35 @@ try {
 		: ["floor", "hit (history)"];
 	const runs: RouteRun[] = [];
 	for (const rate of opts.rates) {
-		for (const route of routes) {
-			const r = await runRoute(target, task, paths, route, rate);
-			runs.push(r);
-			process.stderr.write(
-				`${rate}/s ${route}: achieved ${r.achievedRate.toFixed(0)}, ` +
-					`p50 ${ms(r.latencyUs.p50)} p99 ${ms(r.latencyUs.p99)} ms, ` +
-					`${r.errors} errors, generator ${(100 * r.generatorCpu).toFixed(0)}% ` +
-					`of a core, machine ${(100 * r.machineCpu).toFixed(0)}% busy` +
-					(r.sources
-						? `, ${r.sources.edge} edge / ${r.sources.graph} graph hits, ` +
-							`server p50 ${ms(r.serverUs!.p50)} ms`
-						: "") +
-					`; stack CPU ms/request ${JSON.stringify(r.stackCpuMsPerRequest)}` +
-					`, other load ${r.otherCores ?? "?"} cores, settled in ${r.settleMs} ms` +
-					"\n",
+		// On a shared machine another process can take a core mid-run. The
+		// trio is re-run (all three, so they still share conditions) when
+		// any run saw other load or a Worker restart, and the attempt with
+		// the least interference is kept; the attempts are in the results.
+		let best: RouteRun[] | null = null;
+		let bestNoise = Infinity;
+		for (let attempt = 1; attempt <= 1 + opts.retries; attempt++) {
+			const trio: RouteRun[] = [];
+			for (const route of routes) {
+				const r = await runRoute(target, task, paths, route, rate);
+				r.attempt = attempt;
+				trio.push(r);
+				logRun(r);
+			}
+			const noise = Math.max(
+				...trio.map((r) => (r.restarted ? 99 : (r.otherCores ?? 0))),
 			);
+			if (noise < bestNoise) {
+				best = trio;
+				bestNoise = noise;
+			}
+			if (noise <= NOISY_CORES) break;
+			if (attempt <= opts.retries) {
+				process.stderr.write(
+					`${rate}/s: other load ${noise} cores; running the rate again\n`,
+				);
+			}
 		}
+		runs.push(...best!);
 	}
 	const floorPair = await floorPairs(target);
 	const pairs = await missRecord(target, task, paths, runId);
