@@ -238,6 +238,11 @@ export interface ToolStats {
 	savedMs: number;
 	records: number;
 	conflicts: number;
+	/** Managed mode: misses answered by another rollout's execution (single-flight). */
+	coalesced: number;
+	/** Oracle mode: hits re-executed by full replay, and how many differed. */
+	oracleChecks: number;
+	oracleMismatches: number;
 	/** A recorded call of this tool once gave a different output. */
 	nondeterministic: boolean;
 }
@@ -256,6 +261,8 @@ export interface TaskStats {
 	snapshotBytes: number;
 	leases: number;
 	conflicts: number;
+	coalesced: number;
+	oracle: { checks: number; mismatches: number };
 	tools: Record<string, ToolStats>;
 }
 
@@ -273,6 +280,11 @@ export interface GraphNode {
 	hits: number;
 	outputBytes: number;
 	snapshot: SnapshotRef | null;
+	/**
+	 * Managed mode's selective snapshot decision for this state: the replay
+	 * cost since the nearest snapshot, the snapshot + restore cost, the verdict.
+	 */
+	policy: { replayMs: number; costMs: number; snapshot: boolean } | null;
 	createdAt: number;
 }
 export interface GraphPage {

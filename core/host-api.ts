@@ -20,7 +20,10 @@ export type Driver = z.infer<typeof Driver>;
 export const Template = z
 	.object({
 		driver: Driver,
-		name: z.string().regex(/^[A-Za-z0-9._:/-]{1,200}$/).optional(),
+		name: z
+			.string()
+			.regex(/^[A-Za-z0-9._:/-]{1,200}$/)
+			.optional(),
 		/** Docker only: attach a network (off by default: tools run offline). */
 		network: z.boolean().optional(),
 	})
@@ -96,7 +99,12 @@ export const ExecRequest = z
 	.object({
 		call: Call,
 		timeoutMs: z.number().int().min(1).max(3_600_000).optional(),
-		maxOutputBytes: z.number().int().min(1).max(64 << 20).optional(),
+		maxOutputBytes: z
+			.number()
+			.int()
+			.min(1)
+			.max(64 << 20)
+			.optional(),
 	})
 	.strict();
 export type ExecRequest = z.infer<typeof ExecRequest>;

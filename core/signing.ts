@@ -49,7 +49,14 @@ export function sign(
 	return {
 		[HEADERS.timestamp]: timestamp,
 		[HEADERS.nonce]: nonce,
-		[HEADERS.signature]: signature(secret, method, path, body, timestamp, nonce),
+		[HEADERS.signature]: signature(
+			secret,
+			method,
+			path,
+			body,
+			timestamp,
+			nonce,
+		),
 	};
 }
 
@@ -80,7 +87,10 @@ export function verify(
 	if (a.length !== b.length || !timingSafeEqual(a, b)) {
 		return { ok: false, code: "bad_signature" };
 	}
-	if (Math.abs(now - Number(timestamp)) > MAX_SKEW_MS || !/^\d+$/.test(timestamp)) {
+	if (
+		Math.abs(now - Number(timestamp)) > MAX_SKEW_MS ||
+		!/^\d+$/.test(timestamp)
+	) {
 		return { ok: false, code: "stale" };
 	}
 	for (const [n, at] of seen) if (at < now - MAX_SKEW_MS * 2) seen.delete(n);

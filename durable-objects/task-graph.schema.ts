@@ -39,8 +39,19 @@ export const nodes = sqliteTable(
 		hits: integer("hits").notNull().default(0),
 		lastHitAt: integer("last_hit_at"),
 		createdAt: integer("created_at").notNull(),
+		/**
+		 * The selective snapshot decision made after this state was executed in
+		 * managed mode: the replay cost it weighed, the snapshot + restore cost,
+		 * and whether it snapshotted (null: no decision was made).
+		 */
+		policyReplayMs: real("policy_replay_ms"),
+		policyCostMs: real("policy_cost_ms"),
+		policySnapshot: integer("policy_snapshot", { mode: "boolean" }),
 	},
-	(t) => [index("nodes_parent").on(t.parentId)],
+	(t) => [
+		index("nodes_parent").on(t.parentId),
+		index("nodes_output_key").on(t.outputKey),
+	],
 );
 
 /** Leases keep a node's snapshot from eviction until released or expired. */
@@ -68,6 +79,40 @@ export const toolStats = sqliteTable("tool_stats", {
 	savedMs: real("saved_ms").notNull().default(0),
 	records: integer("records").notNull().default(0),
 	conflicts: integer("conflicts").notNull().default(0),
+	/** Misses answered by another rollout's execution of the same call (single-flight). */
+	coalesced: integer("coalesced").notNull().default(0),
+	/** Hits the correctness oracle re-executed, and how many differed. */
+	oracleChecks: integer("oracle_checks").notNull().default(0),
+	oracleMismatches: integer("oracle_mismatches").notNull().default(0),
+});
+
+/** Managed-mode rollouts: where each is, and the sandbox it holds, if any. */
+export const rollouts = sqliteTable("rollouts", {
+	id: text("id").primaryKey(),
+	/** The template's JSON (core/host-api.ts `Template`). */
+	template: text("template").notNull(),
+	/** The rollout's state: the root, or a state of the graph. */
+	state: text("state").notNull(),
+	/** Its live sandbox: host, sandbox id, and the state the sandbox is in. */
+	hostId: text("host_id"),
+	sandboxId: text("sandbox_id"),
+	sandboxState: text("sandbox_state"),
+	oracle: integer("oracle", { mode: "boolean" }).notNull().default(false),
+	calls: integer("calls").notNull().default(0),
+	hits: integer("hits").notNull().default(0),
+	coalesced: integer("coalesced").notNull().default(0),
+	misses: integer("misses").notNull().default(0),
+	savedMs: real("saved_ms").notNull().default(0),
+	createdAt: integer("created_at").notNull(),
+	closedAt: integer("closed_at"),
+});
+
+/** Measured sandbox costs per driver (start, restore, snapshot, pool), learned per task. */
+export const costs = sqliteTable("costs", {
+	/** `driver:kind`, e.g. `docker:restore`. */
+	key: text("key").primaryKey(),
+	ms: real("ms").notNull(),
+	samples: integer("samples").notNull(),
 });
 
 /** Small facts about the task: its project and name, when it was created. */

@@ -28,9 +28,16 @@ import type {
 	ToolStats,
 } from "../core/api.ts";
 import { now } from "../core/clock.ts";
-import { ROOT_ID } from "../core/ids.ts";
+import { ROOT_ID, pathIds } from "../core/ids.ts";
+import type {
+	OpenRolloutRequest,
+	RolloutCallRequest,
+	RolloutCallResponse,
+	RolloutSummary,
+} from "../core/managed-api.ts";
 import { fail, ok, type Result } from "../core/result.ts";
 import migrations from "../migrations/task-graph/migrations.js";
+import { RolloutRunner, type GraphAccess, type PathNode } from "./rollouts.ts";
 import * as schema from "./task-graph.schema.ts";
 import { leases, meta, nodes, toolStats } from "./task-graph.schema.ts";
 
@@ -112,10 +119,21 @@ export class TaskGraph extends DurableObject<Env> {
 	#alarmAt: number | null = null;
 	#indexDirty = false;
 	#lastUsedAt = 0;
+	#rollouts: RolloutRunner;
 
 	constructor(ctx: DurableObjectState, env: Env) {
 		super(ctx, env);
 		this.#db = drizzle(ctx.storage, { schema });
+		this.#rollouts = new RolloutRunner(
+			this.#db,
+			this.#access(),
+			env.DB,
+			() => this.#scopeOf()!,
+			{
+				warmRoots: Number(env.WARM_ROOTS ?? 0),
+				warmForks: Number(env.WARM_FORKS ?? 0),
+			},
+		);
 		// If the migration or the rebuild throws, the runtime resets the object
 		// and the next request starts it again: a failed start does not wedge it.
 		ctx.blockConcurrencyWhile(async () => {
@@ -399,7 +417,16 @@ export class TaskGraph extends DurableObject<Env> {
 	async stats(scope: Scope): Promise<TaskStats | null> {
 		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
 		const tools: Record<string, ToolStats> = {};
-		const total = { lookups: 0, hits: 0, misses: 0, savedMs: 0, conflicts: 0 };
+		const total = {
+			lookups: 0,
+			hits: 0,
+			misses: 0,
+			savedMs: 0,
+			conflicts: 0,
+			coalesced: 0,
+			oracleChecks: 0,
+			oracleMismatches: 0,
+		};
 		for (const t of this.#db.select().from(toolStats).all()) {
 			tools[t.tool] = {
 				lookups: t.lookups,
@@ -408,6 +435,9 @@ export class TaskGraph extends DurableObject<Env> {
 				savedMs: t.savedMs,
 				records: t.records,
 				conflicts: t.conflicts,
+				coalesced: t.coalesced,
+				oracleChecks: t.oracleChecks,
+				oracleMismatches: t.oracleMismatches,
 				nondeterministic: t.conflicts > 0,
 			};
 			total.lookups += t.lookups;
@@ -415,6 +445,9 @@ export class TaskGraph extends DurableObject<Env> {
 			total.misses += t.misses;
 			total.savedMs += t.savedMs;
 			total.conflicts += t.conflicts;
+			total.coalesced += t.coalesced;
+			total.oracleChecks += t.oracleChecks;
+			total.oracleMismatches += t.oracleMismatches;
 		}
 		const agg = this.#db
 			.select({
@@ -447,6 +480,11 @@ export class TaskGraph extends DurableObject<Env> {
 			snapshotBytes: agg.snapshotBytes,
 			leases: live.n,
 			conflicts: total.conflicts,
+			coalesced: total.coalesced,
+			oracle: {
+				checks: total.oracleChecks,
+				mismatches: total.oracleMismatches,
+			},
 			tools,
 		};
 	}
@@ -483,10 +521,49 @@ export class TaskGraph extends DurableObject<Env> {
 								key: r.snapshotKey,
 								bytes: r.snapshotBytes ?? 0,
 							},
+				policy:
+					r.policySnapshot === null
+						? null
+						: {
+								replayMs: r.policyReplayMs ?? 0,
+								costMs: r.policyCostMs ?? 0,
+								snapshot: r.policySnapshot,
+							},
 				createdAt: r.createdAt,
 			})),
 			next: rows.length > limit ? page[page.length - 1].seq : null,
 		};
+	}
+
+	/** Opens a managed-mode rollout of this task at the root. */
+	async openRollout(
+		scope: Scope,
+		req: OpenRolloutRequest,
+	): Promise<Result<RolloutSummary>> {
+		this.#remember(scope);
+		return this.#rollouts.open(req);
+	}
+
+	/** One tool call of a managed rollout: answered from the graph or executed on a host. */
+	async rolloutCall(
+		scope: Scope,
+		rollout: string,
+		req: RolloutCallRequest,
+	): Promise<Result<RolloutCallResponse>> {
+		this.#remember(scope);
+		const r = await this.#rollouts.call(rollout, req);
+		this.#touch();
+		return r;
+	}
+
+	/** A rollout's position and counters. */
+	async rollout(rollout: string): Promise<Result<RolloutSummary>> {
+		return this.#rollouts.get(rollout);
+	}
+
+	/** Closes a rollout, stopping its sandbox. */
+	async closeRollout(rollout: string): Promise<Result<RolloutSummary>> {
+		return this.#rollouts.close(rollout);
 	}
 
 	/** Whether the task holds a state (the snapshot routes ask before storing). */
@@ -527,6 +604,86 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	// ------------------------------------------------------------ internals
+
+	/** What the rollout runner may do to the graph. */
+	#access(): GraphAccess {
+		return {
+			has: (id) => this.#index.has(id),
+			stored: (id) => {
+				const n = this.#index.get(id);
+				if (n === undefined || n.kind === "root") return null;
+				const row = this.#db
+					.select()
+					.from(nodes)
+					.where(eq(nodes.id, id))
+					.get()!;
+				return { hit: this.#storedHit(row), tool: row.tool! };
+			},
+			output: async (hit) => {
+				if (hit.output !== null) return hit.output;
+				const blob = await this.env.BLOBS.get(hit.outputKey!);
+				if (!blob) throw new Error(`output blob ${hit.outputKey} is missing`);
+				return blob.text();
+			},
+			countHit: (tool, id, execMs) => this.#countHit(tool, id, execMs, now()),
+			countMiss: (tool) => this.#bumpTool(tool, { lookups: 1, misses: 1 }),
+			countCoalesced: (tool) =>
+				this.#bumpTool(tool, { lookups: 1, coalesced: 1 }),
+			countOracle: (tool, mismatch) =>
+				this.#bumpTool(tool, {
+					oracleChecks: 1,
+					oracleMismatches: mismatch ? 1 : 0,
+				}),
+			path: (state) => this.#pathNodes(state),
+			record: (scope, from, calls) => {
+				const steps = pathIds(calls, from);
+				return this.record(scope, {
+					from,
+					calls: calls.map((c, i) => ({ ...c, id: steps[i].id })),
+					inlineMaxBytes: Number(this.env.OUTPUT_INLINE_MAX_BYTES),
+				});
+			},
+			notePolicy: (id, d) => {
+				this.#db
+					.update(nodes)
+					.set({
+						policyReplayMs: d.replayMs,
+						policyCostMs: d.costMs,
+						policySnapshot: d.snapshot,
+					})
+					.where(eq(nodes.id, id))
+					.run();
+			},
+			attachSnapshot: (id, ref) => this.#attachSnapshot(id, ref),
+		};
+	}
+
+	/** The held states from the root (exclusive) down to `state`, with calls and snapshots. */
+	#pathNodes(state: string): PathNode[] {
+		const ids: string[] = [];
+		for (let s: string | null = state; s !== null && s !== ROOT_ID;) {
+			ids.push(s);
+			s = this.#index.get(s)!.parent;
+		}
+		ids.reverse();
+		return ids.map((id) => {
+			const r = this.#db.select().from(nodes).where(eq(nodes.id, id)).get()!;
+			return {
+				id,
+				tool: r.tool!,
+				args: JSON.parse(r.args ?? "null"),
+				execMs: r.execMs,
+				snapshot:
+					r.snapshotKey === null
+						? null
+						: {
+								driver: r.snapshotDriver!,
+								key: r.snapshotKey,
+								bytes: r.snapshotBytes ?? 0,
+							},
+			};
+		});
+	}
 
 	/** A state, not a stateless result: only states have children and snapshots. */
 	#holdsState(id: string): boolean {
@@ -673,6 +830,9 @@ export class TaskGraph extends DurableObject<Env> {
 			savedMs: d.savedMs ?? 0,
 			records: d.records ?? 0,
 			conflicts: d.conflicts ?? 0,
+			coalesced: d.coalesced ?? 0,
+			oracleChecks: d.oracleChecks ?? 0,
+			oracleMismatches: d.oracleMismatches ?? 0,
 		};
 		this.#db
 			.insert(toolStats)
@@ -686,6 +846,9 @@ export class TaskGraph extends DurableObject<Env> {
 					savedMs: sql`${toolStats.savedMs} + ${v.savedMs}`,
 					records: sql`${toolStats.records} + ${v.records}`,
 					conflicts: sql`${toolStats.conflicts} + ${v.conflicts}`,
+					coalesced: sql`${toolStats.coalesced} + ${v.coalesced}`,
+					oracleChecks: sql`${toolStats.oracleChecks} + ${v.oracleChecks}`,
+					oracleMismatches: sql`${toolStats.oracleMismatches} + ${v.oracleMismatches}`,
 				},
 			})
 			.run();

@@ -9,6 +9,7 @@ import { notFound, onError } from "./errors.ts";
 import { hosts } from "./hosts.ts";
 import { keys } from "./keys.ts";
 import { projects } from "./projects.ts";
+import { rollouts } from "./rollouts.ts";
 import { sweep } from "./scheduled.ts";
 import { snapshots } from "./snapshots.ts";
 import { tasks } from "./tasks.ts";
@@ -26,6 +27,7 @@ app.route("/v1/keys", keys);
 app.route("/v1/hosts", hosts);
 app.route("/v1/tasks", tasks);
 app.route("/v1/tasks", snapshots);
+app.route("/v1/tasks", rollouts);
 
 app.onError(onError);
 app.notFound(notFound);
