@@ -12,6 +12,7 @@
 import { eq, sql } from "drizzle-orm";
 import type { DrizzleSqliteDODatabase } from "drizzle-orm/durable-sqlite";
 import type { SnapshotRef } from "../core/api.ts";
+import { sqlMutates } from "../core/classify.ts";
 import { now } from "../core/clock.ts";
 import type {
 	ExecResponse,
@@ -183,7 +184,7 @@ export class RolloutRunner {
 		const start = now();
 		const template = JSON.parse(r.template) as Template;
 		const call = { tool: req.tool, args: req.args ?? null };
-		const mutates = req.mutates ?? true;
+		const mutates = req.mutates ?? defaultMutates(template, call);
 		const key = callKey(call);
 		const id = mutates ? childId(r.state, key) : obsId(r.state, key);
 		const next = mutates ? id : r.state;
@@ -676,6 +677,18 @@ export class RolloutRunner {
 			closed: r.closedAt !== null,
 		};
 	}
+}
+
+/**
+ * Whether a call changes state when the trainer does not say: SQL that
+ * certainly only reads is stateless; anything else is state-changing (a read
+ * treated as a write costs hits, never correctness).
+ */
+function defaultMutates(template: Template, call: { args: unknown }): boolean {
+	if (template.driver !== "sqlite") return true;
+	const a = call.args as { query?: unknown } | string | null;
+	const query = typeof a === "string" ? a : a?.query;
+	return typeof query === "string" ? sqlMutates(query) : true;
 }
 
 function pick(out: ExecResponse): {
