@@ -695,7 +695,7 @@ async function demux(
 	stream: Readable,
 	onData: (chunk: Buffer) => void,
 ): Promise<void> {
-	let pending = Buffer.alloc(0);
+	let pending: Buffer = Buffer.alloc(0);
 	for await (const chunk of stream) {
 		pending =
 			pending.length === 0

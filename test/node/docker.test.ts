@@ -1,0 +1,276 @@
+/**
+ * The Docker driver against a real engine: real containers of the locally
+ * built base image, real commits, saves and loads. Skipped only on a
+ * machine with no engine and no `CI`; in CI a missing engine fails the file
+ * (`.ci/docker.sh` installs and starts one).
+ */
+import { execFile, execFileSync } from "node:child_process";
+import { randomBytes } from "node:crypto";
+import path from "node:path";
+import { promisify } from "node:util";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import {
+	DockerEngine,
+	DockerSandbox,
+	dockerFactory,
+	removeLabelled,
+	type DockerOptions,
+} from "../../host/drivers/docker.ts";
+
+const run = promisify(execFile);
+
+function engineUp(): boolean {
+	try {
+		execFileSync("docker", ["info"], { stdio: "ignore", timeout: 20_000 });
+		return true;
+	} catch {
+		return false;
+	}
+}
+
+const skip = !process.env.CI && !engineUp();
+
+// Everything this file creates carries this label, so counts and cleanup
+// see only this run's containers and images, whatever else the engine runs.
+const RUN = randomBytes(6).toString("hex");
+const labels = { "trellis.test": RUN };
+const engine = new DockerEngine();
+const sh = (cmd: string, extra: Record<string, unknown> = {}) => ({
+	tool: "bash",
+	args: { cmd, ...extra },
+});
+
+function factory(options: DockerOptions = {}) {
+	return dockerFactory({
+		...options,
+		labels: { ...labels, ...options.labels },
+	});
+}
+
+/** Containers and images (intermediate ones too) with the labels. */
+async function counted(
+	label: Record<string, string> = labels,
+): Promise<{ containers: number; images: number }> {
+	const filter = Object.entries(label).flatMap(([k, v]) => [
+		"--filter",
+		`label=${k}=${v}`,
+	]);
+	const lines = (s: string) => s.split("\n").filter((l) => l !== "").length;
+	const ps = await run("docker", ["ps", "-aq", ...filter]);
+	const images = await run("docker", ["images", "-aq", ...filter]);
+	return { containers: lines(ps.stdout), images: lines(images.stdout) };
+}
+
+describe.skipIf(skip)("DockerSandbox", () => {
+	beforeAll(async () => {
+		// The tests start what they need: the base image, fast when built.
+		await run(path.resolve(import.meta.dirname, "../../host/images/build.sh"));
+	});
+	afterAll(async () => {
+		await removeLabelled(labels);
+	});
+
+	it("runs a command and returns stdout and stderr in order with its exit code", async () => {
+		const sb = await factory().start();
+		const r = await sb.exec(
+			sh("echo one; echo two >&2; echo three; pwd; exit 7"),
+		);
+		expect(r.output).toBe("one\ntwo\nthree\n/work\n");
+		expect(r.exitCode).toBe(7);
+		expect(r.execMs).toBeGreaterThan(0);
+		expect(r.timedOut).toBe(false);
+		const plain = await sb.exec({ tool: "bash", args: "echo hi | sha256sum" });
+		expect(plain).toMatchObject({
+			output:
+				"98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4  -\n",
+			exitCode: 0,
+		});
+		expect((await sb.exec(sh("false"))).exitCode).toBe(1);
+		await expect(sb.exec({ tool: "sql", args: "select 1" })).rejects.toThrow(
+			/does not run tool sql/,
+		);
+		await sb.stop();
+	});
+
+	it("keeps the working directory and exported variables for the next exec, unsets and exits included", async () => {
+		const sb = await factory().start();
+		const first = await sb.exec(sh("cd /tmp && export X=1"));
+		expect(first).toMatchObject({ output: "", exitCode: 0 });
+		expect((await sb.exec(sh("pwd; echo $X"))).output).toBe("/tmp\n1\n");
+		// A command that leaves by `exit` still leaves its state behind.
+		const left = await sb.exec(sh("cd /etc; export Y='a b'; unset X; exit 3"));
+		expect(left.exitCode).toBe(3);
+		expect((await sb.exec(sh('pwd; echo "[$X][$Y]"'))).output).toBe(
+			"/etc\n[][a b]\n",
+		);
+		// A call's cwd is relative to the workdir, and moves the shell there.
+		await sb.exec(sh("mkdir -p /work/sub/dir"));
+		expect((await sb.exec(sh("pwd", { cwd: "sub/dir" }))).output).toBe(
+			"/work/sub/dir\n",
+		);
+		expect((await sb.exec(sh("pwd"))).output).toBe("/work/sub/dir\n");
+		// A directory that vanished sends the next command to the workdir.
+		await sb.exec(sh("mkdir /tmp/gone && cd /tmp/gone && rmdir /tmp/gone"));
+		expect((await sb.exec(sh("pwd"))).output).toBe("/work\n");
+		await sb.stop();
+	});
+
+	it("kills a command at its timeout, background jobs included, exits 124 and stays usable", async () => {
+		const sb = await factory({ timeoutMs: 500 }).start();
+		const t0 = Date.now();
+		const r = await sb.exec(sh("sleep 30 & sleep 31; echo never"));
+		expect(Date.now() - t0).toBeLessThan(5000);
+		expect(r.exitCode).toBe(124);
+		expect(r.timedOut).toBe(true);
+		expect(r.output).toBe("\n[timed out after 500 ms]\n");
+		// No sleep survives; the per-call limit overrides the sandbox's.
+		const ps = await sb.exec(sh("sleep 1; ps -o args"), { timeoutMs: 5000 });
+		expect(ps.exitCode).toBe(0);
+		expect(ps.output).not.toMatch(/sleep 3[01]/);
+		await sb.stop();
+	});
+
+	it("cuts the output at the size cap and says how much it dropped", async () => {
+		const sb = await factory({ maxOutputBytes: 64 }).start();
+		const r = await sb.exec(sh("head -c 1000 /dev/zero | tr '\\0' a"));
+		expect(r.output).toBe(
+			`${"a".repeat(64)}\n[output truncated: 936 more bytes]\n`,
+		);
+		expect(r.droppedBytes).toBe(936);
+		expect(r.exitCode).toBe(0);
+		const big = await sb.exec(sh("echo 12345"), { maxOutputBytes: 3 });
+		expect(big.output).toBe("123\n[output truncated: 3 more bytes]\n");
+		await sb.stop();
+	});
+
+	it("forks into an independent copy in the same state without pausing the source", async () => {
+		const f = factory();
+		const a = await f.start();
+		// Enough data that the commit takes a while, for the poll to see it.
+		await a.exec(
+			sh(
+				"head -c 33554432 /dev/urandom > /work/big && echo v1 > /work/f && cd /work && export K=k",
+			),
+		);
+		let forked = false;
+		let polls = 0;
+		let paused = 0;
+		const poll = (async () => {
+			while (!forked) {
+				const info = await engine.inspectContainer(a.containerId);
+				polls++;
+				if (info.State.Paused || !info.State.Running) paused++;
+			}
+		})();
+		const b = await a.fork().finally(() => {
+			forked = true;
+		});
+		await poll;
+		expect(polls).toBeGreaterThan(1);
+		expect(paused).toBe(0);
+		expect(b.containerId).not.toBe(a.containerId);
+		expect((await b.exec(sh("pwd; echo $K; cat f"))).output).toBe(
+			"/work\nk\nv1\n",
+		);
+		await b.exec(sh("echo v2 > f; rm big"));
+		await a.exec(sh("echo a > only-a"));
+		expect((await a.exec(sh("cat f; ls"))).output).toBe("v1\nbig\nf\nonly-a\n");
+		expect((await b.exec(sh("cat f; ls"))).output).toBe("v2\nf\n");
+		await Promise.all([a.stop(), b.stop()]);
+	});
+
+	it("flattens a fork past the layer limit and keeps its state", async () => {
+		const f = factory({ maxLayers: 2 });
+		const a = await f.start();
+		await a.exec(sh("echo deep > /work/d && cd /tmp"));
+		const b = await a.fork();
+		const c = await b.fork();
+		const layers = async (sb: DockerSandbox) => {
+			const info = await engine.inspectContainer(sb.containerId);
+			return (await engine.inspectImage(info.Image)).RootFS.Layers?.length;
+		};
+		expect(await layers(a)).toBe(1);
+		expect(await layers(b)).toBe(2);
+		expect(await layers(c)).toBe(1);
+		expect((await c.exec(sh("pwd; cat /work/d"))).output).toBe("/tmp\ndeep\n");
+		await Promise.all([a.stop(), b.stop(), c.stop()]);
+	});
+
+	it("restores a snapshot in another factory's sandbox with its files, directory and environment", async () => {
+		const a = await factory().start();
+		await a.exec(
+			sh(
+				"mkdir -p /work/src && echo hello > /work/src/x && cd src && export V=7",
+			),
+		);
+		const snap = await a.snapshot();
+		expect(snap.driver).toBe("docker");
+		// A gzipped image archive.
+		expect([...snap.data.subarray(0, 2)]).toEqual([0x1f, 0x8b]);
+		await a.stop();
+		const source = {
+			ref: { driver: "docker" } as never,
+			read: async () => snap.data,
+		};
+
+		const other = factory();
+		const b = await other.restore(source);
+		expect((await b.exec(sh("pwd; echo $V; cat x"))).output).toBe(
+			"/work/src\n7\nhello\n",
+		);
+		// Restoring into a live sandbox replaces what it had.
+		const c = await other.start();
+		await c.exec(sh("echo stale > /work/stale"));
+		await c.restore(source);
+		expect((await c.exec(sh("pwd; ls /work"))).output).toBe("/work/src\nsrc\n");
+		await expect(
+			c.restore({ ref: { driver: "workspace" } as never, read: source.read }),
+		).rejects.toThrow(/cannot restore a workspace snapshot/);
+		await Promise.all([b.stop(), c.stop()]);
+	});
+
+	it("stop removes every container and image the sandboxes created", async () => {
+		const mine = { "trellis.case": randomBytes(4).toString("hex") };
+		const f = factory({ labels: mine });
+		const a = await f.start();
+		await a.exec(sh("echo 1 > /work/one"));
+		const b = await a.fork();
+		await b.exec(sh("echo 2 > /work/two"));
+		const c = await b.fork();
+		const d = await f.restore({
+			ref: { driver: "docker" } as never,
+			read: async () => (await c.snapshot()).data,
+		});
+		const e = await d.fork();
+		expect(await counted(mine)).toMatchObject({ containers: 5 });
+		expect((await counted(mine)).images).toBeGreaterThanOrEqual(4);
+		// In an order that stops parents before their children.
+		for (const sb of [a, b, d, c, e]) await sb.stop();
+		await a.stop(); // idempotent
+		expect(await counted(mine)).toEqual({ containers: 0, images: 0 });
+		expect(f.stats.containersCreated).toBe(5);
+		expect(f.stats.containersRemoved).toBe(5);
+		await expect(a.exec(sh("true"))).rejects.toThrow(/not started/);
+	});
+
+	it("creates at most the configured number of containers at once", async () => {
+		const f = factory({ maxConcurrentCreates: 2 });
+		const all = await Promise.all(Array.from({ length: 6 }, () => f.start()));
+		expect(f.stats).toMatchObject({
+			limit: 2,
+			maxCreating: 2,
+			creating: 0,
+			creations: 6,
+		});
+		expect(new Set(all.map((sb) => sb.containerId)).size).toBe(6);
+		await Promise.all(all.map((sb) => sb.stop()));
+	});
+
+	it("takes reading commands as stateless and everything else as state-changing", () => {
+		const f = factory();
+		expect(f.mutates(sh("cat /work/x | wc -l"))).toBe(false);
+		expect(f.mutates(sh("rm /work/x"))).toBe(true);
+		expect(f.mutates(sh("ls > out"))).toBe(true);
+		expect(f.mutates({ tool: "sql", args: "select 1" })).toBe(true);
+	});
+});
