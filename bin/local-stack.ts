@@ -39,6 +39,8 @@ export interface LocalStackOptions {
 	quiet?: boolean;
 	/** How long to wait for `/healthz`, in ms (default 90 s). */
 	startTimeoutMs?: number;
+	/** Worker variables to override (`[vars]` in wrangler.toml), e.g. `WARM_FORKS`. */
+	vars?: Record<string, string>;
 }
 
 /** A running local stack and the keys to use it. */
@@ -255,6 +257,10 @@ export async function startLocalStack(
 			// the stack always runs with the key we return.
 			"--var",
 			`TRELLIS_ADMIN_KEY:${adminKey}`,
+			...Object.entries(options.vars ?? {}).flatMap(([k, v]) => [
+				"--var",
+				`${k}:${v}`,
+			]),
 		],
 		{
 			cwd: REPO_ROOT,

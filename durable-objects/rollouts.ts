@@ -74,12 +74,12 @@ export interface PathNode {
 	snapshot: SnapshotRef | null;
 }
 
-/** Priors until something is measured, per driver (ms). */
-const PRIOR: Record<string, number> = {
-	start: 1000,
-	restore: 1000,
-	snapshot: 1000,
-	pool: 50,
+/** Priors until something is measured, as shares of SANDBOX_COST_PRIOR_MS. */
+const PRIOR_SHARE: Record<string, number> = {
+	start: 1,
+	restore: 1,
+	snapshot: 1,
+	pool: 0.05,
 };
 const HOST_TIMEOUT_MS = 60_000;
 const EXEC_TIMEOUT_MS = 120_000;
@@ -107,7 +107,12 @@ export class RolloutRunner {
 		private readonly graph: GraphAccess,
 		d1: D1Database,
 		private readonly scope: () => Scope,
-		private readonly options: { warmRoots: number; warmForks: number },
+		private readonly options: {
+			warmRoots: number;
+			warmForks: number;
+			/** What a sandbox start, restore or snapshot is assumed to cost before one is measured. */
+			costPriorMs: number;
+		},
 	) {
 		this.hosts = new HostSet(d1, () => this.scope().project);
 	}
@@ -643,14 +648,14 @@ export class RolloutRunner {
 			.from(costs)
 			.where(eq(costs.key, `${driver}:${kind}`))
 			.get();
-		return row?.ms ?? PRIOR[kind];
+		return row?.ms ?? this.#prior(kind);
 	}
 
 	#learn(driver: string, kind: string, ms: number): void {
 		const key = `${driver}:${kind}`;
 		const row = this.db.select().from(costs).where(eq(costs.key, key)).get();
 		const samples = row?.samples ?? 0;
-		const value = blend(row?.ms ?? PRIOR[kind], samples, ms);
+		const value = blend(row?.ms ?? this.#prior(kind), samples, ms);
 		this.db
 			.insert(costs)
 			.values({ key, ms: value, samples: samples + 1 })
@@ -659,6 +664,10 @@ export class RolloutRunner {
 				set: { ms: value, samples: samples + 1 },
 			})
 			.run();
+	}
+
+	#prior(kind: string): number {
+		return this.options.costPriorMs * PRIOR_SHARE[kind];
 	}
 
 	#row(id: string): Row | undefined {
