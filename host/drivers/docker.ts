@@ -102,6 +102,14 @@ export interface DockerOptions {
 	maxLayers?: number;
 	/** Whether snapshots are gzipped (default `true`; `docker load` takes both). */
 	compress?: boolean;
+	/**
+	 * Whether snapshots leave out the layers they share with {@link image}
+	 * (default `true`): a snapshot then holds only what the commands
+	 * changed, and restores on any host that has the same template image
+	 * (`host/images/build.sh` builds the same base layer from the same
+	 * busybox). `false` makes self-contained archives.
+	 */
+	thinSnapshots?: boolean;
 	/** Extra `HostConfig` of every container (memory, CPUs, ...), merged last. */
 	hostConfig?: Record<string, unknown>;
 }
@@ -569,12 +577,17 @@ class DockerContext {
 		return (await this.engine.inspectImage(`${repo}:${tag}`)).Id;
 	}
 
-	/** `docker save` of an image, whole, optionally gzipped. */
+	/**
+	 * `docker save` of an image, without the template's layers unless
+	 * snapshots are not thin, optionally gzipped.
+	 */
 	async save(image: string): Promise<Uint8Array> {
 		const res = await this.engine.request("GET", `/images/${enc(image)}/get`);
-		const tar = await readAll(res);
+		let tar = await readAll(res);
 		if ((res.statusCode ?? 500) >= 400)
 			throw errorOf(res.statusCode, tar.toString("utf8"));
+		if (this.options.thinSnapshots !== false)
+			tar = withoutLayers(tar, await this.#templateLayers());
 		return this.options.compress === false
 			? tar
 			: await gzip(tar, { level: 1 });
@@ -592,8 +605,17 @@ class DockerContext {
 			contentType: "application/x-tar",
 		});
 		const text = (await readAll(res)).toString("utf8");
-		if ((res.statusCode ?? 500) >= 400) throw errorOf(res.statusCode, text);
-		const failed = streamError(text);
+		const failed =
+			(res.statusCode ?? 500) >= 400
+				? errorOf(res.statusCode, text).message
+				: streamError(text);
+		if (failed && /layer\.tar: no such file/.test(failed))
+			throw new DockerError(
+				409,
+				`load: the snapshot leaves out its template image's layers and ` +
+					`this engine does not have them (build the same template ` +
+					`image here, or snapshot with thinSnapshots: false): ${failed}`,
+			);
 		if (failed) throw new DockerError(400, `load: ${failed}`);
 		const loaded = streamLines(text)
 			.map((m) => /^Loaded image(?: ID)?: (\S+)/.exec(m.stream ?? "")?.[1])
@@ -605,6 +627,20 @@ class DockerContext {
 		});
 		this.counts.imagesCreated++;
 		return `${repo}:${tag}`;
+	}
+
+	#template: Promise<string[]> | undefined;
+
+	/** The layer digests (diff ids) of the template image, looked up once. */
+	#templateLayers(): Promise<string[]> {
+		this.#template ??= this.engine
+			.inspectImage(this.options.image ?? DEFAULT_IMAGE)
+			.then((info) => info.RootFS.Layers ?? []);
+		// A failed lookup is asked again next time.
+		this.#template.catch(() => {
+			this.#template = undefined;
+		});
+		return this.#template;
 	}
 
 	/** Runs argv in a container and collects all its output (internal commands). */
@@ -708,6 +744,100 @@ async function demux(
 			pending = pending.subarray(8 + size);
 		}
 	}
+}
+
+/** One entry of a tar archive, by byte range (header blocks included). */
+interface TarEntry {
+	name: string;
+	start: number;
+	dataStart: number;
+	size: number;
+	end: number;
+}
+
+/**
+ * The entries of an uncompressed tar archive in memory. Reads the ustar
+ * name and prefix, and a preceding pax (`x`) or GNU long-name (`L`) header,
+ * which belong to the entry they precede and are cut with it.
+ */
+function tarEntries(tar: Buffer): TarEntry[] {
+	const entries: TarEntry[] = [];
+	let offset = 0;
+	let start = 0;
+	let longName: string | undefined;
+	while (offset + 512 <= tar.length) {
+		const header = tar.subarray(offset, offset + 512);
+		if (header.every((b) => b === 0)) break;
+		const field = (from: number, length: number) =>
+			header
+				.subarray(from, from + length)
+				.toString("utf8")
+				.replace(/\0.*$/s, "");
+		const size = parseInt(field(124, 12).trim() || "0", 8);
+		const type = String.fromCharCode(header[156]!);
+		const dataStart = offset + 512;
+		const end = dataStart + Math.ceil(size / 512) * 512;
+		const data = tar.subarray(dataStart, dataStart + size).toString("utf8");
+		if (type === "x") {
+			longName = /(?:^|\n)\d+ path=([^\n]*)\n/.exec(data)?.[1] ?? longName;
+		} else if (type === "L") {
+			longName = data.replace(/\0.*$/s, "");
+		} else {
+			const prefix = field(345, 155);
+			const name = longName ?? (prefix ? `${prefix}/` : "") + field(0, 100);
+			entries.push({
+				name: name.replace(/^\.\//, ""),
+				start,
+				dataStart,
+				size,
+				end,
+			});
+			longName = undefined;
+			start = end;
+		}
+		offset = end;
+	}
+	return entries;
+}
+
+/**
+ * A `docker save` archive without the layer files of the longest prefix of
+ * its layers that `template` (diff ids, base first) shares. `docker load`
+ * takes a layer it already has from its own store without opening the
+ * file; an archive sharing nothing comes back as it was.
+ */
+function withoutLayers(tar: Buffer, template: string[]): Buffer {
+	const entries = tarEntries(tar);
+	const read = (name: string) => {
+		const entry = entries.find((e) => e.name === name);
+		if (!entry) throw new Error(`docker save: no ${name} in the archive`);
+		return JSON.parse(
+			tar
+				.subarray(entry.dataStart, entry.dataStart + entry.size)
+				.toString("utf8"),
+		);
+	};
+	const [manifest] = read("manifest.json") as {
+		Config: string;
+		Layers: string[];
+	}[];
+	if (!manifest) return tar;
+	const diffIds = (read(manifest.Config) as { rootfs: { diff_ids: string[] } })
+		.rootfs.diff_ids;
+	let shared = 0;
+	while (
+		shared < template.length &&
+		shared < diffIds.length &&
+		diffIds[shared] === template[shared]
+	)
+		shared++;
+	const drop = new Set(manifest.Layers.slice(0, shared));
+	if (drop.size === 0) return tar;
+	const kept = entries
+		.filter((e) => !drop.has(e.name))
+		.map((e) => tar.subarray(e.start, e.end));
+	// Two zero blocks end an archive.
+	return Buffer.concat([...kept, Buffer.alloc(1024)]);
 }
 
 /** The messages of a JSON-lines progress stream (load, import). */

@@ -229,6 +229,51 @@ describe.skipIf(skip)("DockerSandbox", () => {
 		await Promise.all([b.stop(), c.stop()]);
 	});
 
+	it("leaves the template's layers out of a snapshot unless asked for a whole archive", async () => {
+		const thin = factory();
+		const whole = factory({ thinSnapshots: false, compress: false });
+		const a = await thin.start();
+		const b = await whole.start();
+		for (const sb of [a, b]) await sb.exec(sh("echo kept > /work/k && cd /"));
+		const small = await a.snapshot();
+		const big = await b.snapshot();
+		await Promise.all([a.stop(), b.stop()]);
+		// The base layer is a 2 MB busybox; the commands wrote a few bytes.
+		expect(small.data.length).toBeLessThan(64 << 10);
+		expect(big.data.length).toBeGreaterThan(1 << 20);
+		// An uncompressed tar ("ustar" at offset 257).
+		expect(Buffer.from(big.data.subarray(257, 262)).toString()).toBe("ustar");
+		for (const data of [small.data, big.data]) {
+			const sb = await thin.restore({
+				ref: { driver: "docker" } as never,
+				read: async () => data,
+			});
+			expect((await sb.exec(sh("pwd; cat /work/k"))).output).toBe("/\nkept\n");
+			await sb.stop();
+		}
+	});
+
+	it("says so when a thin snapshot's template image is missing on the restoring engine", async () => {
+		// A template of its own, so removing it takes its layer away.
+		const base = await factory().start();
+		await base.exec(sh("echo template > /etc/template"));
+		const template = `trellis-test-template:${RUN}`;
+		await run("docker", ["commit", base.containerId, template]);
+		await base.stop();
+		const f = factory({ image: template });
+		const a = await f.start();
+		expect((await a.exec(sh("cat /etc/template"))).output).toBe("template\n");
+		const snap = await a.snapshot();
+		await a.stop();
+		await run("docker", ["rmi", template]);
+		await expect(
+			f.restore({
+				ref: { driver: "docker" } as never,
+				read: async () => snap.data,
+			}),
+		).rejects.toThrow(/leaves out its template image's layers/);
+	});
+
 	it("stop removes every container and image the sandboxes created", async () => {
 		const mine = { "trellis.case": randomBytes(4).toString("hex") };
 		const f = factory({ labels: mine });
