@@ -4,7 +4,6 @@
  * `host/registry.ts` for how drivers plug in by name.
  */
 export {
-	capOutput,
 	createHost,
 	isBlobKey,
 	type Host,
@@ -12,15 +11,15 @@ export {
 	type HostOptions,
 } from "./server.ts";
 export {
-	DEFAULT_DATABASES,
-	DEFAULT_IMAGE,
 	DriverUnavailableError,
 	LOADERS,
 	UnknownTemplateError,
+	capOutput,
 	loadDrivers,
 	type DriverConfig,
 	type DriverLoader,
 	type ExecLimits,
 	type HostDriver,
+	type HostExecResult,
 	type LoadedDrivers,
 } from "./registry.ts";

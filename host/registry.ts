@@ -13,31 +13,18 @@
 import { execFile } from "node:child_process";
 import { existsSync } from "node:fs";
 import path from "node:path";
-import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
 import type { Driver, Template } from "../core/host-api.ts";
 import {
 	sandboxFactory,
 	type Call,
+	type ExecResult,
+	type Sandbox,
 	type SandboxFactory,
 } from "../client/sandbox.ts";
 import { WorkspaceSandbox, workspaceFactory } from "./drivers/workspace.ts";
 
 const run = promisify(execFile);
-
-/** The repository root (this file lives in `host/`). */
-export const REPO_ROOT = path.resolve(
-	path.dirname(fileURLToPath(import.meta.url)),
-	"..",
-);
-
-/** The Docker image a template without a name starts. */
-export const DEFAULT_IMAGE = "trellis-base:latest";
-
-/** The SQLite databases every host knows, by template name. */
-export const DEFAULT_DATABASES: Readonly<Record<string, string>> = {
-	chinook: path.resolve(REPO_ROOT, "..", "shared", "data", "chinook.sqlite"),
-};
 
 /** What the host was configured with, per driver. */
 export interface DriverConfig {
@@ -58,11 +45,11 @@ export interface DriverConfig {
 	docker?: {
 		/** Template name → image; a name not listed is taken as an image itself. */
 		images?: Record<string, string>;
-		/** The image of a template without a name (default {@link DEFAULT_IMAGE}). */
+		/** The image of a template without a name (default the driver's, `trellis-base:latest`). */
 		defaultImage?: string;
 	};
 	sqlite?: {
-		/** Template name → database file, on top of {@link DEFAULT_DATABASES}. */
+		/** Template name → database file, on top of the driver's (`chinook`). */
 		databases?: Record<string, string>;
 	};
 }
@@ -71,6 +58,11 @@ export interface DriverConfig {
 export interface ExecLimits {
 	timeoutMs: number;
 	maxOutputBytes: number;
+}
+
+/** What a call gave, as the host answers it. */
+export interface HostExecResult extends ExecResult {
+	timedOut: boolean;
 }
 
 /** A driver as the server uses it. */
@@ -83,11 +75,15 @@ export interface HostDriver {
 	 */
 	factory(template: Template): SandboxFactory;
 	/**
-	 * The call as this driver should run it under `limits`, for drivers that
-	 * take a time limit in the call itself. Without it the server enforces
-	 * the time limit from outside, by stopping a sandbox that overruns.
+	 * Runs a call in one of this driver's sandboxes under `limits`: at most
+	 * `timeoutMs` (a timed-out command exits 124 and the sandbox lives on)
+	 * and `maxOutputBytes` of output, with a marker saying what was cut.
 	 */
-	limit?(call: Call, limits: ExecLimits): Call;
+	exec(
+		sandbox: Sandbox,
+		call: Call,
+		limits: ExecLimits,
+	): Promise<HostExecResult>;
 	/** Releases what the driver holds (connections, caches). */
 	stop?(): Promise<void>;
 }
@@ -132,23 +128,49 @@ function workspaceDriver(config: DriverConfig): HostDriver {
 			}
 			return factory;
 		},
-		// The workspace reads a time limit from the call's own args; the
-		// request's limit caps whatever the agent asked for.
-		limit(call, limits) {
-			const args = call.args;
-			if (typeof args === "string")
-				return { ...call, args: { cmd: args, timeoutMs: limits.timeoutMs } };
-			if (args !== null && typeof args === "object" && !Array.isArray(args)) {
-				const own = (args as Record<string, unknown>).timeoutMs;
-				const timeoutMs =
-					typeof own === "number"
-						? Math.min(own, limits.timeoutMs)
-						: limits.timeoutMs;
-				return { ...call, args: { ...args, timeoutMs } };
-			}
-			return call;
+		// The workspace takes a time limit only in the call's own args and
+		// an output cap only when constructed: the request's time limit caps
+		// what the agent asked for, and the output is cut here.
+		async exec(sandbox, call, limits) {
+			const r = await sandbox.exec(withTimeout(call, limits.timeoutMs));
+			return {
+				output: capOutput(r.output, limits.maxOutputBytes),
+				exitCode: r.exitCode,
+				execMs: r.execMs,
+				// The workspace marks a timeout with exit code 124; a command
+				// that exits 124 by itself does so before the limit.
+				timedOut: r.exitCode === 124 && r.execMs >= limits.timeoutMs,
+			};
 		},
 	};
+}
+
+/** A workspace call with its time limit at most `timeoutMs`. */
+function withTimeout(call: Call, timeoutMs: number): Call {
+	const args = call.args;
+	if (typeof args === "string")
+		return { ...call, args: { cmd: args, timeoutMs } };
+	if (args !== null && typeof args === "object" && !Array.isArray(args)) {
+		const own = (args as Record<string, unknown>).timeoutMs;
+		const limit =
+			typeof own === "number" ? Math.min(own, timeoutMs) : timeoutMs;
+		return { ...call, args: { ...args, timeoutMs: limit } };
+	}
+	return call;
+}
+
+/**
+ * Cuts output to `cap` UTF-8 bytes at a character boundary, saying how much
+ * was dropped, the way the drivers mark their own cut.
+ */
+export function capOutput(output: string, cap: number): string {
+	const bytes = Buffer.from(output, "utf8");
+	if (bytes.length <= cap) return output;
+	let end = cap;
+	// Back off continuation bytes so no character is split in two.
+	while (end > 0 && (bytes[end] & 0xc0) === 0x80) end--;
+	const dropped = bytes.length - end;
+	return `${bytes.subarray(0, end).toString("utf8")}\n[output truncated: ${dropped} more bytes]\n`;
 }
 
 /** Workspaces that start as a copy of `seed`. */
@@ -178,16 +200,15 @@ const loadWorkspace: DriverLoader = async (config) => workspaceDriver(config);
 // ------------------------------------------------------ docker and sqlite
 
 /**
- * Imports a driver module that may not exist yet or whose dependencies may
- * be missing on this machine. The specifier is a variable so that the
- * type-checker does not require the file.
+ * Imports a driver module whose dependencies may be missing on this
+ * machine; a failure makes the driver unavailable, not the host.
  */
-async function importDriver(file: string): Promise<Record<string, unknown>> {
-	const url = new URL(`./drivers/${file}`, import.meta.url);
-	if (!existsSync(fileURLToPath(url)))
-		throw new DriverUnavailableError(`host/drivers/${file} does not exist`);
+async function importDriver<T>(
+	file: string,
+	load: () => Promise<T>,
+): Promise<T> {
 	try {
-		return (await import(url.href)) as Record<string, unknown>;
+		return await load();
 	} catch (err) {
 		throw new DriverUnavailableError(
 			`host/drivers/${file} did not load: ${(err as Error).message}`,
@@ -195,37 +216,58 @@ async function importDriver(file: string): Promise<Record<string, unknown>> {
 	}
 }
 
+/** A sandbox whose driver takes per-call limits as `exec`'s second argument. */
+interface LimitedSandbox {
+	exec(
+		call: Call,
+		limits: Partial<ExecLimits>,
+	): Promise<ExecResult & { timedOut?: boolean }>;
+}
+
+/** Docker and SQLite sandboxes honor the limits themselves. */
+async function execWithLimits(
+	sandbox: Sandbox,
+	call: Call,
+	limits: ExecLimits,
+): Promise<HostExecResult> {
+	const r = await (sandbox as unknown as LimitedSandbox).exec(call, limits);
+	return {
+		output: r.output,
+		exitCode: r.exitCode,
+		execMs: r.execMs,
+		timedOut:
+			r.timedOut ?? (r.exitCode === 124 && r.execMs >= limits.timeoutMs),
+	};
+}
+
 const loadDocker: DriverLoader = async (config) => {
-	try {
-		await run("docker", ["info", "--format", "{{.ServerVersion}}"], {
-			timeout: 10_000,
-		});
-	} catch (err) {
-		throw new DriverUnavailableError(
-			`docker info failed: ${(err as Error).message.split("\n")[0]}`,
-		);
-	}
-	const mod = await importDriver("docker.ts");
-	const make = mod.dockerFactory;
-	if (typeof make !== "function")
-		throw new DriverUnavailableError(
-			"host/drivers/docker.ts exports no dockerFactory",
-		);
+	const docker = await importDriver(
+		"docker.ts",
+		() => import("./drivers/docker.ts"),
+	);
+	// What `docker info` checks, without needing the docker CLI: the
+	// engine answers on the socket the driver will use.
+	if (!(await new docker.DockerEngine().ping()))
+		throw new DriverUnavailableError("no Docker engine answers on its socket");
 	const images = config.docker?.images ?? {};
+	// One creation limit for every template: the engine saturates as a whole.
+	const limiter = new docker.CreationLimiter();
 	const factories = new Map<string, SandboxFactory>();
 	return {
 		name: "docker",
 		factory(template) {
 			const image =
 				template.name === undefined
-					? (config.docker?.defaultImage ?? DEFAULT_IMAGE)
+					? (config.docker?.defaultImage ?? docker.DEFAULT_IMAGE)
 					: (images[template.name] ?? template.name);
-			const key = `${image}\n${template.network === true}`;
+			const network = template.network === true;
+			const key = `${image}\n${network}`;
 			let factory = factories.get(key);
 			if (!factory) {
-				factory = (make as (o: unknown) => SandboxFactory)({
+				factory = docker.dockerFactory({
 					image,
-					network: template.network === true,
+					network,
+					limiter,
 					timeoutMs: config.execTimeoutMs,
 					maxOutputBytes: config.maxOutputBytes,
 				});
@@ -233,39 +275,37 @@ const loadDocker: DriverLoader = async (config) => {
 			}
 			return factory;
 		},
+		exec: execWithLimits,
 	};
 };
 
 const loadSqlite: DriverLoader = async (config) => {
-	const mod = await importDriver("sqlite.ts");
-	const make = mod.sqliteFactory;
-	if (typeof make !== "function")
-		throw new DriverUnavailableError(
-			"host/drivers/sqlite.ts exports no sqliteFactory",
-		);
-	const databases = {
-		...DEFAULT_DATABASES,
-		...config.sqlite?.databases,
-	};
+	const sqlite = await importDriver(
+		"sqlite.ts",
+		() => import("./drivers/sqlite.ts"),
+	);
+	const databases = { ...sqlite.SQLITE_SEEDS, ...config.sqlite?.databases };
 	const factories = new Map<string, SandboxFactory>();
 	return {
 		name: "sqlite",
 		factory(template) {
 			const name = template.name ?? "chinook";
-			const file = databases[name];
-			if (file === undefined || !existsSync(file))
+			const seed = databases[name];
+			if (seed === undefined || !existsSync(seed))
 				throw new UnknownTemplateError(`no sqlite database named ${name}`);
 			let factory = factories.get(name);
 			if (!factory) {
-				factory = (make as (o: unknown) => SandboxFactory)({
+				factory = sqlite.sqliteFactory({
 					root: path.join(config.dataDir, "sqlite"),
-					database: file,
+					seed,
+					timeoutMs: config.execTimeoutMs,
 					maxOutputBytes: config.maxOutputBytes,
 				});
 				factories.set(name, factory);
 			}
 			return factory;
 		},
+		exec: execWithLimits,
 	};
 };
 

@@ -99,6 +99,8 @@ export interface HostOptions {
 	clock?: () => number;
 	/** Registration attempts before `start()` gives up (default 5). */
 	registerAttempts?: number;
+	/** The `fetch` the host reaches the Worker with (a proxy agent, a tracer). */
+	fetch?: typeof fetch;
 	/** Where the host logs (default: stderr). */
 	log?: (message: string) => void;
 }
@@ -204,20 +206,6 @@ function parse<T extends z.ZodType>(
 	return r.data;
 }
 
-/**
- * Cuts output to `cap` UTF-8 bytes at a character boundary, saying how much
- * was dropped, the way the workspace driver marks its own cut.
- */
-export function capOutput(output: string, cap: number): string {
-	const bytes = Buffer.from(output, "utf8");
-	if (bytes.length <= cap) return output;
-	let end = cap;
-	// Back off continuation bytes so no character is split in two.
-	while (end > 0 && (bytes[end] & 0xc0) === 0x80) end--;
-	const dropped = bytes.length - end;
-	return `${bytes.subarray(0, end).toString("utf8")}\n[output truncated: ${dropped} more bytes]\n`;
-}
-
 /** Whether a ref's key is a blob the Worker stores (its upload route's keys). */
 export function isBlobKey(key: string): boolean {
 	return key.startsWith("snapshots/");
@@ -259,9 +247,11 @@ export function createHost(options: HostOptions): Host {
 	const ceiling = Math.max(options.outputCeilingBytes ?? 16 << 20, defaultCap);
 	const log =
 		options.log ?? ((m: string) => process.stderr.write(`[host] ${m}\n`));
+	const fetchWorker = options.fetch ?? globalThis.fetch.bind(globalThis);
 	const worker = new TrellisClient({
 		url: options.worker,
 		key: options.key,
+		fetch: fetchWorker,
 	});
 
 	let drivers = new Map<Driver, HostDriver>();
@@ -327,7 +317,17 @@ export function createHost(options: HostOptions): Host {
 	/** Runs `fn` on a sandbox after the operations before it; counts it busy. */
 	function serially<T>(entry: Live, fn: () => Promise<T>): Promise<T> {
 		entry.busy++;
-		const run = entry.queue.then(fn, fn).finally(() => {
+		// A sandbox stopped while this operation waited its turn is gone.
+		const guarded = () => {
+			if (sandboxes.get(entry.id) !== entry)
+				throw hostError(
+					404,
+					"sandbox_not_found",
+					`no sandbox ${entry.id} here`,
+				);
+			return fn();
+		};
+		const run = entry.queue.then(guarded, guarded).finally(() => {
 			entry.busy--;
 			entry.lastUsed = clock();
 		});
@@ -543,34 +543,36 @@ export function createHost(options: HostOptions): Host {
 		const req = parse(c, ExecRequest);
 		const timeoutMs = req.timeoutMs ?? execTimeoutMs;
 		const cap = Math.min(req.maxOutputBytes ?? defaultCap, ceiling);
-		const call = entry.driver.limit
-			? entry.driver.limit(req.call, { timeoutMs, maxOutputBytes: cap })
-			: req.call;
-		// A driver that takes the limit in the call stops the command
-		// itself; the server's own timer is the backstop for one that hangs.
-		const backstopMs = entry.driver.limit
-			? timeoutMs + TIMEOUT_GRACE_MS
-			: timeoutMs;
 		const mutates = req.call.mutates ?? entry.sandbox.mutates(req.call);
-		let timer: NodeJS.Timeout | undefined;
-		const overran = new Promise<"overran">((resolve) => {
-			timer = setTimeout(() => resolve("overran"), backstopMs);
-		});
 		const started = performance.now();
 		const result = await serially(entry, async () => {
-			const outcome = await Promise.race([
-				entry.sandbox.exec(call).then((r) => ({ r })),
-				overran,
-			]);
-			clearTimeout(timer);
-			return outcome;
-		}).catch((err: unknown) => {
-			clearTimeout(timer);
-			// Drivers throw TypeError for a call they cannot run (a tool
-			// they do not know, args of the wrong shape): the caller's fault.
-			if (err instanceof TypeError)
-				throw hostError(400, "invalid_call", err.message);
-			throw err;
+			// The drivers stop a command at its limit themselves; this timer
+			// is the backstop for one that hangs anyway.
+			let timer: NodeJS.Timeout | undefined;
+			const overran = new Promise<"overran">((resolve) => {
+				timer = setTimeout(
+					() => resolve("overran"),
+					timeoutMs + TIMEOUT_GRACE_MS,
+				);
+			});
+			try {
+				return await Promise.race([
+					entry.driver.exec(entry.sandbox, req.call, {
+						timeoutMs,
+						maxOutputBytes: cap,
+					}),
+					overran,
+				]);
+			} catch (err) {
+				// Drivers throw TypeError for a call they cannot run (a tool
+				// they do not know, args of the wrong shape): the caller's
+				// fault.
+				if (err instanceof TypeError)
+					throw hostError(400, "invalid_call", err.message);
+				throw err;
+			} finally {
+				clearTimeout(timer);
+			}
 		});
 		if (result === "overran") {
 			// The command may still be changing the sandbox: its state is
@@ -584,14 +586,8 @@ export function createHost(options: HostOptions): Host {
 				mutates,
 			} satisfies ExecResponse & { mutates: boolean });
 		}
-		const { r } = result;
 		return c.json({
-			output: capOutput(r.output, cap),
-			exitCode: r.exitCode,
-			execMs: r.execMs,
-			// The workspace marks its own timeout with exit code 124; a
-			// command that exits 124 by itself does so before the limit.
-			timedOut: r.exitCode === 124 && r.execMs >= timeoutMs,
+			...result,
 			mutates,
 		} satisfies ExecResponse & { mutates: boolean });
 	});
@@ -662,7 +658,7 @@ export function createHost(options: HostOptions): Host {
 	// ------------------------------------------------- Worker registration
 
 	async function workerPost<T>(path: string, body: unknown): Promise<T> {
-		const res = await fetch(new URL(path, options.worker), {
+		const res = await fetchWorker(worker.url + path, {
 			method: "POST",
 			headers: {
 				authorization: `Bearer ${options.key}`,
