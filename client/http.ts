@@ -23,6 +23,12 @@ import type {
 	TaskStats,
 } from "../core/api.ts";
 import type { Call } from "../core/ids.ts";
+import type {
+	OpenRolloutRequest,
+	RolloutCallRequest,
+	RolloutCallResponse,
+	RolloutSummary,
+} from "../core/managed-api.ts";
 
 /**
  * A lookup as the client takes it: `core/api.ts`'s request, with `args` any
@@ -317,6 +323,49 @@ export class TrellisClient {
 		return this.#json({
 			method: "DELETE",
 			path: `/v1/tasks/${enc(task)}/leases/${enc(id)}`,
+			retry: "idempotent",
+		});
+	}
+
+	// ------------------------------------------------------------ managed mode
+
+	/** `POST /v1/tasks/:task/rollouts`: a managed rollout at the root of the task. */
+	openRollout(
+		task: string,
+		request: OpenRolloutRequest,
+	): Promise<RolloutSummary> {
+		return this.#json({
+			method: "POST",
+			path: `/v1/tasks/${enc(task)}/rollouts`,
+			json: request,
+			retry: "rate-limit-only",
+		});
+	}
+
+	/**
+	 * `POST /v1/tasks/:task/rollouts/:id/calls`: one tool call, answered from
+	 * the cache or executed on a container host. Not retried after a failure
+	 * (the call may have run); no client timeout (a tool may run for minutes).
+	 */
+	rolloutCall(
+		task: string,
+		rollout: string,
+		call: RolloutCallRequest,
+	): Promise<RolloutCallResponse> {
+		return this.#json({
+			method: "POST",
+			path: `/v1/tasks/${enc(task)}/rollouts/${enc(rollout)}/calls`,
+			json: call,
+			retry: "rate-limit-only",
+			timeout: false,
+		});
+	}
+
+	/** `DELETE /v1/tasks/:task/rollouts/:id`: stops the rollout's sandbox. */
+	closeRollout(task: string, rollout: string): Promise<RolloutSummary> {
+		return this.#json({
+			method: "DELETE",
+			path: `/v1/tasks/${enc(task)}/rollouts/${enc(rollout)}`,
 			retry: "idempotent",
 		});
 	}
