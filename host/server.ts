@@ -47,6 +47,7 @@ import {
 	type Template,
 } from "../core/host-api.ts";
 import { verify } from "../core/signing.ts";
+import { WarmPool, type PoolSpec } from "./pool.ts";
 import {
 	UnknownTemplateError,
 	loadDrivers,
@@ -84,6 +85,12 @@ export interface HostOptions {
 	dataDir?: string;
 	/** Warm pools to fill at start: ready copies of a template's root. */
 	pools?: readonly { template: Template; count: number }[];
+	/**
+	 * The most sandboxes the warm pools hold, ready or being made, on top
+	 * of `capacity` (default: `capacity`). Pooled sandboxes sit idle until
+	 * a start takes one, which then counts against `capacity`.
+	 */
+	poolCapacity?: number;
 	/** A sandbox unused this long is stopped as leaked (default 10 min). */
 	idleMs?: number;
 	/** A call's time limit when its request gives none (default 60 s). */
@@ -218,7 +225,7 @@ function p50(samples: number[]): number {
 }
 
 function poolKey(template: Template, restore?: BlobSource): string {
-	const base = `${template.driver}:${template.name ?? ""}${template.network ? "+net" : ""}`;
+	const base = `${template.driver}:${template.name ?? ""}${template.network === true ? "+net" : ""}`;
 	return restore ? `${base}@${restore.task}/${restore.state}` : base;
 }
 
@@ -258,9 +265,13 @@ export function createHost(options: HostOptions): Host {
 	const sandboxes = new Map<string, Live>();
 	/** Starts and forks under way, counted against capacity before they finish. */
 	let reserved = 0;
-	const starts = new Map<string, number[]>();
-	/** Warm pool targets; filled by `host/pool.ts` once it is wired in. */
-	const pools = new Map<string, { target: number }>();
+	/** Fork latencies; the pool keeps those of starts, restores and its own hits. */
+	const forks: number[] = [];
+	const pool = new WarmPool({
+		maxTotal: options.poolCapacity ?? capacity,
+		onError: (key, err) =>
+			log(`warm pool ${key}: ${(err as Error).message ?? err}`),
+	});
 
 	let registration: RegisterHostResponse | null = null;
 	let url: string | null = null;
@@ -383,14 +394,15 @@ export function createHost(options: HostOptions): Host {
 		};
 	}
 
-	function noteStart(source: string, ms: number): void {
-		let samples = starts.get(source);
-		if (!samples) starts.set(source, (samples = []));
-		samples.push(ms);
-		if (samples.length > LATENCY_SAMPLES) samples.shift();
+	/** How a pool key makes its sandboxes: the template's root, or a snapshot's copies. */
+	function poolSpec(factory: SandboxFactory, restore?: BlobSource): PoolSpec {
+		if (!restore) return { kind: "root", factory };
+		// One restore, then forks of it: a fork is cheaper than a restore.
+		return { kind: "fork", parent: () => factory.restore(sourceOf(restore)) };
 	}
 
 	function health(): HostHealth {
+		const stats = pool.stats();
 		let busy = 0;
 		for (const s of sandboxes.values()) if (s.busy > 0) busy++;
 		return {
@@ -398,17 +410,13 @@ export function createHost(options: HostOptions): Host {
 			capacity,
 			sandboxes: sandboxes.size,
 			busy,
-			pools: [...pools].map(([key, p]) => ({
-				key,
-				ready: 0,
-				target: p.target,
-			})),
-			starts: Object.fromEntries(
-				[...starts].map(([source, samples]) => [
-					source,
-					{ count: samples.length, p50Ms: p50(samples) },
-				]),
-			),
+			pools: stats.pools,
+			starts: {
+				...stats.starts,
+				...(forks.length > 0 && {
+					fork: { count: forks.length, p50Ms: p50(forks) },
+				}),
+			},
 		};
 	}
 
@@ -512,10 +520,20 @@ export function createHost(options: HostOptions): Host {
 		const release = reserve();
 		const started = performance.now();
 		let sandbox: Sandbox;
+		let source: StartSandboxResponse["source"];
 		try {
-			sandbox = req.restore
-				? await factory.restore(sourceOf(req.restore))
-				: await factory.start();
+			// A warm copy of the same template, or of the same snapshot.
+			const ready = pool.take(poolKey(req.template, req.restore));
+			if (ready) {
+				sandbox = ready;
+				source = "pool";
+			} else {
+				sandbox = req.restore
+					? await factory.restore(sourceOf(req.restore))
+					: await factory.start();
+				source = req.restore ? "restore" : "fresh";
+				pool.record(source, performance.now() - started);
+			}
 		} catch (err) {
 			if (err instanceof DownloadError)
 				throw err.cause.status === 404
@@ -532,8 +550,6 @@ export function createHost(options: HostOptions): Host {
 			release();
 		}
 		const startMs = performance.now() - started;
-		const source = req.restore ? "restore" : "fresh";
-		noteStart(source, startMs);
 		const id = adopt(driver, req.template, sandbox);
 		return c.json({ id, source, startMs } satisfies StartSandboxResponse, 201);
 	});
@@ -604,7 +620,8 @@ export function createHost(options: HostOptions): Host {
 			release();
 		}
 		const forkMs = performance.now() - started;
-		noteStart("fork", forkMs);
+		forks.push(forkMs);
+		if (forks.length > LATENCY_SAMPLES) forks.shift();
 		const id = adopt(entry.driver, entry.template, twin);
 		return c.json({ id, forkMs } satisfies ForkResponse, 201);
 	});
@@ -648,11 +665,18 @@ export function createHost(options: HostOptions): Host {
 
 	app.post("/pools/warm", async (c) => {
 		const req = parse(c, WarmRequest);
-		driverFor(req.template);
+		const { factory } = driverFor(req.template);
+		if (req.restore && req.restore.ref.driver !== req.template.driver)
+			throw hostError(
+				400,
+				"driver_mismatch",
+				`a ${req.restore.ref.driver} snapshot cannot warm ${req.template.driver} sandboxes`,
+			);
 		const key = poolKey(req.template, req.restore);
-		if (req.count === 0) pools.delete(key);
-		else pools.set(key, { target: req.count });
-		return c.json({ key, ready: 0, target: req.count });
+		// The fill runs in the background; `ready` says how far it is.
+		pool.warm(key, poolSpec(factory, req.restore), req.count);
+		const now = pool.stats().pools.find((p) => p.key === key);
+		return c.json({ key, ready: now?.ready ?? 0, target: req.count });
 	});
 
 	// ------------------------------------------------- Worker registration
@@ -786,8 +810,13 @@ export function createHost(options: HostOptions): Host {
 		for (const [name, why] of loaded.unavailable)
 			log(`driver ${name} is not available: ${why}`);
 		if (drivers.size === 0) throw new Error("no driver can run here");
-		for (const p of options.pools ?? [])
-			pools.set(poolKey(p.template), { target: p.count });
+		for (const p of options.pools ?? []) {
+			const key = poolKey(p.template);
+			const factory = drivers.get(p.template.driver)?.factory(p.template);
+			if (!factory)
+				throw new Error(`pool ${key}: no ${p.template.driver} driver`);
+			pool.warm(key, poolSpec(factory), p.count);
+		}
 
 		const hostname = options.hostname ?? "127.0.0.1";
 		server = createAdaptorServer({ fetch: app.fetch, hostname }) as Server;
@@ -817,6 +846,7 @@ export function createHost(options: HostOptions): Host {
 		if (sweepTimer) clearInterval(sweepTimer);
 		heartbeatTimer = sweepTimer = null;
 		await Promise.all([...sandboxes.values()].map(remove));
+		await pool.drain();
 		for (const d of drivers.values()) await d.stop?.();
 		if (server) {
 			const s = server;

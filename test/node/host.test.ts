@@ -732,21 +732,81 @@ describe("capacity, idle sandboxes and shutdown", () => {
 		expect((await health(h)).sandboxes).toBe(0);
 	});
 
-	it("records warm pool targets and reports them in its health", async () => {
-		const r = await signed(main, "POST", "/pools/warm", {
+	it("keeps warm copies of a template ready and hands them out as pool starts", async () => {
+		const h = await startHost({
+			capacity: 1,
+			poolCapacity: 2,
+			templates: { workspace: { seeds: { hello: seedDir } } },
+		});
+		const key = "workspace:hello";
+		const r = await signed(h, "POST", "/pools/warm", {
 			template: { driver: "workspace", name: "hello" },
 			count: 2,
 		});
 		expect(r.status).toBe(200);
-		expect(r.json).toMatchObject({ key: "workspace:hello", target: 2 });
-		expect((await health(main)).pools).toContainEqual(
-			expect.objectContaining({ key: "workspace:hello", target: 2 }),
+		expect(r.json).toMatchObject({ key, target: 2 });
+		const ready = async () =>
+			(await health(h)).pools.find((p) => p.key === key)?.ready;
+		await vi.waitFor(async () => expect(await ready()).toBe(2));
+		// Pooled copies sit beside the capacity, which counts handed-out ones.
+		const sb = await start(h, {
+			template: { driver: "workspace", name: "hello" },
+		});
+		expect(sb.source).toBe("pool");
+		expect((await exec(h, sb.id, "cat src/greeting.txt")).output).toBe(
+			"hello seed\n",
 		);
+		expect((await health(h)).starts.pool.count).toBe(1);
+		await vi.waitFor(async () => expect(await ready()).toBe(2));
+		const off = await signed(h, "POST", "/pools/warm", {
+			template: { driver: "workspace", name: "hello" },
+			count: 0,
+		});
+		expect(off.status).toBe(200);
+		expect((await health(h)).pools).toEqual([]);
+	});
+
+	it("keeps warm copies of a snapshot and starts a restore from one", async () => {
+		const h = await startHost();
+		const task = taskName("host-warm");
+		const state = "d".repeat(64);
+		const sb = await start(h);
+		await exec(h, sb.id, "echo hot > node.txt");
+		const s = await signed(h, "POST", `/sandboxes/${sb.id}/snapshot`, {
+			task,
+			state,
+		});
+		const { snapshotMs: _, ...ref } = s.json as SnapshotResponse;
+		const restore = { task, state, ref };
+		const w = await signed(h, "POST", "/pools/warm", {
+			template: { driver: "workspace" },
+			restore,
+			count: 1,
+		});
+		expect(w.json.key).toBe(`workspace:@${task}/${state}`);
+		await vi.waitFor(async () =>
+			expect((await health(h)).pools[0]?.ready).toBe(1),
+		);
+		const copy = await start(h, { template: { driver: "workspace" }, restore });
+		expect(copy.source).toBe("pool");
+		expect((await exec(h, copy.id, "cat node.txt")).output).toBe("hot\n");
+		// A copy is independent of the others and of the pool's parent.
+		await exec(h, copy.id, "echo changed > node.txt");
+		await vi.waitFor(async () =>
+			expect((await health(h)).pools[0]?.ready).toBe(1),
+		);
+		const next = await start(h, { template: { driver: "workspace" }, restore });
+		expect(next.source).toBe("pool");
+		expect((await exec(h, next.id, "cat node.txt")).output).toBe("hot\n");
+	});
+
+	it("refuses to warm a template it was not configured with", async () => {
 		const unknown = await signed(main, "POST", "/pools/warm", {
 			template: { driver: "workspace", name: "nope" },
 			count: 1,
 		});
 		expect(unknown.status).toBe(400);
+		expect(unknown.json.error.code).toBe("unknown_template");
 	});
 
 	it("stops every sandbox and its server on stop()", async () => {
