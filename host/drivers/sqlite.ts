@@ -177,6 +177,8 @@ interface EngineJob {
 	sql: string;
 	timeoutMs: number;
 	maxOutputBytes: number;
+	/** The file is a throwaway copy: skip the on-disk journal and fsync. */
+	write?: boolean;
 	/** Aborting stops the statement the way a timeout does. */
 	signal?: AbortSignal;
 }
@@ -208,13 +210,16 @@ function cell(v, type) {
 	return String(v);
 }
 
-function run(file, sql, cap) {
+function run(file, sql, cap, write) {
 	let db, stmt;
 	try {
 		db = new Database(file, { fileMustExist: true });
 		// This build turns both on by default; stock SQLite (its shell,
 		// Python's sqlite3, which SkyRL-SQL uses) has them off.
 		db.exec("PRAGMA foreign_keys = OFF; PRAGMA recursive_triggers = OFF");
+		// A write runs on a copy that is thrown away unless the statement
+		// completes, so neither a journal on disk nor fsync protects anything.
+		if (write) db.exec("PRAGMA journal_mode = MEMORY; PRAGMA synchronous = OFF");
 		stmt = db.prepare(sql);
 		const names = stmt._getColumnNames();
 		if (names.length === 0) {
@@ -252,7 +257,7 @@ function run(file, sql, cap) {
 }
 
 parentPort.on("message", (job) => {
-	parentPort.postMessage(run(job.file, job.sql, job.maxOutputBytes));
+	parentPort.postMessage(run(job.file, job.sql, job.maxOutputBytes, job.write));
 });
 parentPort.postMessage("ready");
 `;
@@ -317,6 +322,7 @@ export class SqlEngine {
 					file: job.file,
 					sql: job.sql,
 					maxOutputBytes: job.maxOutputBytes,
+					write: job.write === true,
 				});
 			});
 			if (result.timedOut) await this.#discard(thread);
@@ -628,6 +634,7 @@ export class SqliteSandbox implements Sandbox {
 				sql,
 				timeoutMs,
 				maxOutputBytes,
+				write: true,
 				signal: this.#abort.signal,
 			});
 			if (result.exitCode === 0 && !result.timedOut) await rename(work, file);
