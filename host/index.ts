@@ -12,6 +12,7 @@ export {
 } from "./server.ts";
 export {
 	DriverUnavailableError,
+	HOST_LABEL,
 	LOADERS,
 	UnknownTemplateError,
 	capOutput,

@@ -26,10 +26,18 @@ import { WorkspaceSandbox, workspaceFactory } from "./drivers/workspace.ts";
 
 const run = promisify(execFile);
 
+/** The label on every container and image a host's Docker sandboxes make. */
+export const HOST_LABEL = "trellis.host";
+
 /** What the host was configured with, per driver. */
 export interface DriverConfig {
 	/** A directory the drivers keep their sandboxes under (one subdirectory each). */
 	dataDir: string;
+	/**
+	 * Unique to this host process: drivers label what they create outside
+	 * `dataDir` (containers, images) with it, to remove what a stop left.
+	 */
+	instance: string;
 	/**
 	 * The largest output a driver should keep for one call, in bytes. The
 	 * server cuts each call's output to what its request asks; this is the
@@ -268,6 +276,7 @@ const loadDocker: DriverLoader = async (config) => {
 					image,
 					network,
 					limiter,
+					labels: { [HOST_LABEL]: config.instance },
 					timeoutMs: config.execTimeoutMs,
 					maxOutputBytes: config.maxOutputBytes,
 				});
@@ -276,6 +285,11 @@ const loadDocker: DriverLoader = async (config) => {
 			return factory;
 		},
 		exec: execWithLimits,
+		// Sandboxes are stopped one by one first; this catches what a
+		// failed stop or an interrupted fork left behind.
+		async stop() {
+			await docker.removeLabelled({ [HOST_LABEL]: config.instance });
+		},
 	};
 };
 

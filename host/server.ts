@@ -799,6 +799,7 @@ export function createHost(options: HostOptions): Host {
 		const loaded = await loadDrivers(
 			{
 				dataDir,
+				instance: randomBytes(8).toString("hex"),
 				maxOutputBytes: ceiling,
 				execTimeoutMs,
 				...options.templates,

@@ -5,7 +5,7 @@
  * own key. The test plays the Worker's part in signing: it learns the
  * secret the Worker issued by watching the host's registration answer.
  */
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { existsSync } from "node:fs";
 import { mkdir, readdir, writeFile } from "node:fs/promises";
 import path from "node:path";
@@ -30,6 +30,16 @@ import { cleanTmp, taskName, tmp } from "./helpers.ts";
 
 let stack: LocalStack;
 let trainer: TrellisClient;
+
+/** Docker tests run wherever an engine answers, and always in CI. */
+const dockerUp = (() => {
+	try {
+		execFileSync("docker", ["info"], { stdio: "ignore", timeout: 10_000 });
+		return true;
+	} catch {
+		return false;
+	}
+})();
 
 /** The host's clock, moved forward by tests instead of sleeping. */
 let offsetMs = 0;
@@ -822,6 +832,106 @@ describe("capacity, idle sandboxes and shutdown", () => {
 		await expect(fetch(`${h.url}/health`)).rejects.toThrow();
 		await h.host.stop();
 	});
+});
+
+describe("sqlite and docker through the host", () => {
+	/** One call of a driver's tool; the mutates verdict is the driver's own. */
+	async function call(h: Harness, id: string, tool: string, args: unknown) {
+		const r = await signed(h, "POST", `/sandboxes/${id}/exec`, {
+			call: { tool, args },
+		});
+		expect(r.status, JSON.stringify(r.json)).toBe(200);
+		return r.json as ExecResponse & { mutates: boolean };
+	}
+
+	it("runs SQL on a copy of Chinook, forks it, and restores it from the Worker", async () => {
+		const h = await startHost({ drivers: ["workspace", "sqlite"] });
+		expect(h.host.drivers).toContain("sqlite");
+		const sb = await start(h, {
+			template: { driver: "sqlite", name: "chinook" },
+		});
+		const count = "select count(*) as n from Artist";
+		expect(await call(h, sb.id, "sql", count)).toMatchObject({
+			output: "n\n275\n",
+			exitCode: 0,
+			mutates: false,
+		});
+		const insert = await call(
+			h,
+			sb.id,
+			"sql",
+			"insert into Artist (Name) values ('Trellis')",
+		);
+		expect(insert.mutates).toBe(true);
+		const fork = await signed(h, "POST", `/sandboxes/${sb.id}/fork`);
+		const task = taskName("host-sql");
+		const state = "e".repeat(64);
+		const snap = await signed(h, "POST", `/sandboxes/${sb.id}/snapshot`, {
+			task,
+			state,
+		});
+		expect(snap.status).toBe(200);
+		const { snapshotMs: _, ...ref } = snap.json as SnapshotResponse;
+		expect(ref.driver).toBe("sqlite");
+		await call(h, sb.id, "sql", "delete from Artist where Name = 'Trellis'");
+		const restored = await start(h, {
+			template: { driver: "sqlite", name: "chinook" },
+			restore: { task, state, ref },
+		});
+		for (const id of [fork.json.id as string, restored.id])
+			expect((await call(h, id, "sql", count)).output).toBe("n\n276\n");
+		expect((await call(h, sb.id, "sql", count)).output).toBe("n\n275\n");
+		const unknown = await signed(h, "POST", "/sandboxes", {
+			template: { driver: "sqlite", name: "northwind" },
+		});
+		expect(unknown.status).toBe(400);
+		expect(unknown.json.error.code).toBe("unknown_template");
+	});
+
+	it.skipIf(!process.env.CI && !dockerUp)(
+		"runs a docker sandbox that keeps cwd and exports, and restores it from the Worker",
+		async () => {
+			const h = await startHost({ drivers: ["docker"] });
+			expect(h.host.drivers).toEqual(["docker"]);
+			const sb = await start(h, { template: { driver: "docker" } });
+			await exec(h, sb.id, "mkdir -p /tmp/w && cd /tmp/w && export X=42");
+			await exec(h, sb.id, "echo data > file");
+			expect((await exec(h, sb.id, "pwd; echo $X")).output).toBe(
+				"/tmp/w\n42\n",
+			);
+			const slow = await exec(h, sb.id, "sleep 20", { timeoutMs: 500 });
+			expect(slow).toMatchObject({ timedOut: true, exitCode: 124 });
+			const task = taskName("host-docker");
+			const state = "f".repeat(64);
+			const snap = await signed(h, "POST", `/sandboxes/${sb.id}/snapshot`, {
+				task,
+				state,
+			});
+			expect(snap.status, JSON.stringify(snap.json)).toBe(200);
+			const { snapshotMs: _, ...ref } = snap.json as SnapshotResponse;
+			const restored = await start(h, {
+				template: { driver: "docker" },
+				restore: { task, state, ref },
+			});
+			expect(restored.source).toBe("restore");
+			expect((await exec(h, restored.id, "cat /tmp/w/file")).output).toBe(
+				"data\n",
+			);
+			// A container's hostname is its short id.
+			const ids = [
+				(await exec(h, sb.id, "hostname")).output.trim(),
+				(await exec(h, restored.id, "hostname")).output.trim(),
+			];
+			const running = (id: string) =>
+				execFileSync("docker", ["ps", "-aq", "--filter", `id=${id}`], {
+					encoding: "utf8",
+				}).trim();
+			for (const id of ids) expect(running(id)).not.toBe("");
+			await h.host.stop();
+			for (const id of ids) expect(running(id)).toBe("");
+		},
+		120_000,
+	);
 });
 
 describe("bin/host.ts", () => {
