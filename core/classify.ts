@@ -266,3 +266,37 @@ export function sqlMutates(sql: string): boolean {
 			return true;
 	}
 }
+
+/** The tool names the sqlite driver runs as SQL unless configured otherwise. */
+export const SQL_TOOLS: readonly string[] = ["sql"];
+
+/**
+ * The SQL text in a SQL call's `args`: the string itself, or the `query`
+ * (as SkyRL-SQL sends it) or `sql` field of an object, with an optional
+ * numeric `timeoutMs`. Null for anything else, which the driver refuses.
+ */
+export function sqlOf(args: unknown): string | null {
+	if (typeof args === "string") return args;
+	if (args === null || typeof args !== "object" || Array.isArray(args))
+		return null;
+	const a = args as Record<string, unknown>;
+	const query = a.query ?? a.sql;
+	if (typeof query !== "string") return null;
+	if (a.timeoutMs !== undefined && typeof a.timeoutMs !== "number") return null;
+	return query;
+}
+
+/**
+ * Whether a call changes a sqlite sandbox's state when the caller does not
+ * say: the sqlite driver's default, and what the Worker fills in for a
+ * managed sqlite rollout, so both derive the same ids. Calls of other tools
+ * and calls the driver would refuse count as changing state.
+ */
+export function sqlCallMutates(
+	call: { tool: string; args?: unknown },
+	tools: readonly string[] = SQL_TOOLS,
+): boolean {
+	if (!tools.includes(call.tool)) return true;
+	const sql = sqlOf(call.args);
+	return sql === null || sqlMutates(sql);
+}

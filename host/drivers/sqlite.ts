@@ -53,7 +53,13 @@ import { availableParallelism } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { Worker } from "node:worker_threads";
-import { sqlMutates, sqlStatements } from "../../core/classify.ts";
+import {
+	SQL_TOOLS,
+	sqlCallMutates,
+	sqlMutates,
+	sqlOf,
+	sqlStatements,
+} from "../../core/classify.ts";
 import {
 	sandboxFactory,
 	type Call,
@@ -85,7 +91,7 @@ export const SQLITE_SEEDS: Readonly<Record<string, string>> = {
 	chinook: CHINOOK_PATH,
 };
 
-const DEFAULT_TOOLS = ["sql"] as const;
+const DEFAULT_TOOLS = SQL_TOOLS;
 const DB_FILE = "db.sqlite";
 // Every SQLite database file starts with these 16 bytes.
 const SQLITE_HEADER = "SQLite format 3\0";
@@ -130,36 +136,27 @@ export interface SqlQuery {
  * `{query | sql, timeoutMs?}` (SkyRL-SQL sends `{query}`).
  */
 export function queryOf(call: Call): SqlQuery {
-	const args = call.args;
-	if (typeof args === "string") return { query: args };
-	if (args !== null && typeof args === "object" && !Array.isArray(args)) {
-		const a = args as Record<string, unknown>;
-		const query = a.query ?? a.sql;
-		if (typeof query === "string") {
-			if (a.timeoutMs !== undefined && typeof a.timeoutMs !== "number")
-				throw new TypeError("a query's timeoutMs must be a number");
-			return { query, timeoutMs: a.timeoutMs as number | undefined };
-		}
-	}
-	throw new TypeError(
-		`${call.tool}: args must be an SQL string or {query, timeoutMs?}`,
-	);
+	// `sqlOf` is what the Worker reads calls with: one reading for both.
+	const query = sqlOf(call.args);
+	if (query === null)
+		throw new TypeError(
+			`${call.tool}: args must be an SQL string or {query, timeoutMs?}`,
+		);
+	const { timeoutMs } =
+		typeof call.args === "string" ? {} : (call.args as { timeoutMs?: number });
+	return { query, timeoutMs };
 }
 
 /**
  * The driver's default: a SQL call mutates unless {@link sqlMutates} is sure
- * it only reads; other tools and malformed calls mutate.
+ * it only reads; other tools and malformed calls mutate. The same function
+ * as the Worker's ({@link sqlCallMutates}).
  */
 export function defaultSqlMutates(
 	call: Call,
-	tools: readonly string[] = DEFAULT_TOOLS,
+	tools: readonly string[] = SQL_TOOLS,
 ): boolean {
-	if (!tools.includes(call.tool)) return true;
-	try {
-		return sqlMutates(queryOf(call).query);
-	} catch {
-		return true;
-	}
+	return sqlCallMutates(call, tools);
 }
 
 // ------------------------------------------------------------------ engine
@@ -185,10 +182,11 @@ interface EngineJob {
 
 // The worker's code, CommonJS evaluated as is (`eval: true`), so that it
 // runs the same under tsx, vitest and plain node without a build step.
-// `_getColumnNames`, `_bind`, `_step` and `_getRow` are the binding's
-// internals (version pinned): its public API returns rows as objects keyed
-// by column name, which loses one of two columns of the same name (a join's
-// `a.Name, b.Name`) and the header of an empty result.
+// `_getColumnNames`, `_bind`, `_step`, `_getRow` and `_ptr` are the
+// binding's internals (its version is pinned): its public API returns rows
+// as objects keyed by column name, which loses one of two columns of the
+// same name (a join's `a.Name, b.Name`), the header of an empty result, and
+// whether a number was a REAL (read through the exported `cwrap`).
 const WORKER_SOURCE = `
 const { parentPort, workerData } = require("node:worker_threads");
 const sqlite = require(workerData.module);

@@ -4,7 +4,12 @@
  * be the ones the host's sqlite driver computes for the same call.
  */
 import { describe, expect, it } from "vitest";
-import { sqlMutates, sqlStatements } from "../../core/classify.ts";
+import {
+	sqlCallMutates,
+	sqlMutates,
+	sqlOf,
+	sqlStatements,
+} from "../../core/classify.ts";
 
 const reads: string[] = [
 	"SELECT Name FROM Artist WHERE ArtistId = 1",
@@ -101,5 +106,29 @@ describe("sqlStatements", () => {
 
 	it("finds no statement in whitespace and comments", () => {
 		expect(sqlStatements("  -- nothing\n/* here */ ;")).toEqual([]);
+	});
+});
+
+describe("sqlCallMutates", () => {
+	it("reads a SQL call the way the sqlite driver does: a string, {query} or {sql}", () => {
+		expect(sqlOf("SELECT 1")).toBe("SELECT 1");
+		expect(sqlOf({ query: "SELECT 2", timeoutMs: 5 })).toBe("SELECT 2");
+		expect(sqlOf({ sql: "SELECT 3" })).toBe("SELECT 3");
+		for (const bad of [null, 1, ["SELECT 1"], { q: "x" }, { query: 1 }])
+			expect(sqlOf(bad), JSON.stringify(bad)).toBeNull();
+		expect(sqlOf({ query: "SELECT 1", timeoutMs: "5" })).toBeNull();
+	});
+
+	it("says a read of a SQL tool is stateless, and anything else changes state", () => {
+		expect(sqlCallMutates({ tool: "sql", args: { query: "SELECT 1" } })).toBe(
+			false,
+		);
+		expect(sqlCallMutates({ tool: "sql", args: "DELETE FROM t" })).toBe(true);
+		expect(sqlCallMutates({ tool: "bash", args: "SELECT 1" })).toBe(true);
+		expect(sqlCallMutates({ tool: "sql", args: { q: "SELECT 1" } })).toBe(true);
+		expect(sqlCallMutates({ tool: "sql" })).toBe(true);
+		expect(sqlCallMutates({ tool: "query", args: "SELECT 1" }, ["query"])).toBe(
+			false,
+		);
 	});
 });
