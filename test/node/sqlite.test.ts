@@ -295,7 +295,11 @@ describe("SqliteSandbox", () => {
 			sql(`${RUNAWAY} SELECT count(*) FROM c JOIN Artist`),
 		);
 		// The statement holds the binding's lock directory while it runs.
-		await vi.waitFor(() => expect(existsSync(`${sb.file}.lock`)).toBe(true));
+		await vi.waitFor(
+			() => expect(existsSync(`${sb.file}.lock`)).toBe(true),
+			// A loaded machine may take a while to start a thread.
+			{ timeout: 20_000 },
+		);
 		const t0 = Date.now();
 		await sb.stop();
 		// Well before the default 30 s limit: stop ended the statement.
