@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # CI, before the tests: what the Docker driver's tests and the end-to-end
-# tests need on a fresh Debian 12 machine, as root. Installs Docker, busybox
-# and bubblewrap from Debian (only what is missing), starts dockerd unless an
-# engine already answers, and builds the base image locally (no registry is
-# reachable). Safe to run again, with or without a running engine.
+# tests need on a fresh Debian 12 machine, as root. Installs Docker, busybox,
+# bubblewrap and mmdebstrap from Debian (only what is missing), starts
+# dockerd unless an engine already answers, and builds the images locally
+# (no registry is reachable). Safe to run again, with or without a running
+# engine. TRELLIS_IMAGES picks the images (default "base debian"; the
+# debian one, with a compiler, takes 30-90 s to build the first time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,11 +14,15 @@ command -v dockerd >/dev/null || need+=(docker.io)
 # The static busybox, not the dynamic one: it goes into the image alone.
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 command -v bwrap >/dev/null || need+=(bubblewrap)
+images="${TRELLIS_IMAGES:-base debian}"
+if [[ " $images " == *" debian "* ]]; then
+	command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+fi
 if ((${#need[@]})); then
 	echo "--- apt-get install ${need[*]}"
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -qq
-	apt-get install -y -qq --no-install-recommends "${need[@]}"
+	apt-get install -y -qq "${need[@]}"
 fi
 
 if ! docker info >/dev/null 2>&1; then
@@ -37,4 +43,5 @@ if ! docker info >/dev/null 2>&1; then
 fi
 echo "--- docker $(docker version --format '{{.Server.Version}}')"
 
-host/images/build.sh
+# shellcheck disable=SC2086 # a list of targets
+host/images/build.sh $images

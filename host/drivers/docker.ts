@@ -578,19 +578,35 @@ class DockerContext {
 	}
 
 	/**
-	 * `docker save` of an image, without the template's layers unless
-	 * snapshots are not thin, optionally gzipped.
+	 * `docker save` of an image, streamed: without the template's layers
+	 * when snapshots are thin (see {@link DockerOptions.thinSnapshots}),
+	 * optionally gzipped. Template layers are recognised by their size as
+	 * they stream past, so they are never held in memory, and checked
+	 * against the archive's manifest at the end; an archive where the check
+	 * fails (a new layer of a template layer's size) is saved again whole.
 	 */
 	async save(image: string): Promise<Uint8Array> {
-		const res = await this.engine.request("GET", `/images/${enc(image)}/get`);
-		let tar = await readAll(res);
-		if ((res.statusCode ?? 500) >= 400)
-			throw errorOf(res.statusCode, tar.toString("utf8"));
-		if (this.options.thinSnapshots !== false)
-			tar = withoutLayers(tar, await this.#templateLayers());
+		const thin = this.options.thinSnapshots !== false;
+		const template = thin ? await this.#templateLayers() : undefined;
+		let tar: Buffer | undefined;
+		if (template) {
+			const saved = await this.#saveStream(image, (e) => !template.has(e));
+			tar = thinArchive(saved, template);
+		}
+		tar ??= archive(await this.#saveStream(image, () => true));
 		return this.options.compress === false
 			? tar
 			: await gzip(tar, { level: 1 });
+	}
+
+	async #saveStream(
+		image: string,
+		keep: (entry: TarEntry) => boolean,
+	): Promise<FilteredTar> {
+		const res = await this.engine.request("GET", `/images/${enc(image)}/get`);
+		if ((res.statusCode ?? 500) >= 400)
+			throw errorOf(res.statusCode, (await readAll(res)).toString("utf8"));
+		return filterTar(res, keep);
 	}
 
 	/**
@@ -629,18 +645,32 @@ class DockerContext {
 		return `${repo}:${tag}`;
 	}
 
-	#template: Promise<string[]> | undefined;
-
-	/** The layer digests (diff ids) of the template image, looked up once. */
-	#templateLayers(): Promise<string[]> {
-		this.#template ??= this.engine
-			.inspectImage(this.options.image ?? DEFAULT_IMAGE)
-			.then((info) => info.RootFS.Layers ?? []);
-		// A failed lookup is asked again next time.
-		this.#template.catch(() => {
-			this.#template = undefined;
-		});
-		return this.#template;
+	/**
+	 * The template image's layers, by the size of their tar in a save, for
+	 * {@link save} to recognise. Learned once per engine and image, from
+	 * one save of the template that keeps nothing in memory.
+	 */
+	async #templateLayers(): Promise<TemplateLayers> {
+		const name = this.options.image ?? DEFAULT_IMAGE;
+		const { Id } = await this.engine.inspectImage(name);
+		const key = `${this.engine.socketPath}\n${Id}`;
+		let layers = templateLayers.get(key);
+		if (!layers) {
+			layers = this.#saveStream(Id, (e) => !e.name.endsWith("/layer.tar")).then(
+				(saved) => {
+					const { manifest, config } = savedImage(saved);
+					const sizes = new Map(saved.skipped.map((e) => [e.name, e.size]));
+					return new TemplateLayers(
+						config.rootfs.diff_ids,
+						manifest.Layers.map((layer) => sizes.get(layer) ?? -1),
+					);
+				},
+			);
+			templateLayers.set(key, layers);
+			// A failed lookup is tried again next time.
+			layers.catch(() => templateLayers.delete(key));
+		}
+		return layers;
 	}
 
 	/** Runs argv in a container and collects all its output (internal commands). */
@@ -746,98 +776,180 @@ async function demux(
 	}
 }
 
-/** One entry of a tar archive, by byte range (header blocks included). */
+/** An entry of a tar archive. */
 interface TarEntry {
 	name: string;
-	start: number;
-	dataStart: number;
+	/** Bytes of content (not counting headers and padding). */
 	size: number;
-	end: number;
 }
 
+/** A tar archive, filtered: the raw blocks kept and what was left out. */
+interface FilteredTar {
+	/** Raw blocks of the kept entries, headers included, in order. */
+	blocks: Buffer[];
+	/** The contents of kept entries at the top level (manifest, config). */
+	files: Map<string, Buffer>;
+	skipped: TarEntry[];
+}
+
+/** Below this size a layer is not worth leaving out of a snapshot. */
+const MIN_THIN_LAYER = 64 << 10;
+
 /**
- * The entries of an uncompressed tar archive in memory. Reads the ustar
- * name and prefix, and a preceding pax (`x`) or GNU long-name (`L`) header,
- * which belong to the entry they precede and are cut with it.
+ * The template image's layers: diff ids, base first, and the size of each
+ * layer's tar in a `docker save`.
  */
-function tarEntries(tar: Buffer): TarEntry[] {
-	const entries: TarEntry[] = [];
-	let offset = 0;
-	let start = 0;
-	let longName: string | undefined;
-	while (offset + 512 <= tar.length) {
-		const header = tar.subarray(offset, offset + 512);
-		if (header.every((b) => b === 0)) break;
-		const field = (from: number, length: number) =>
-			header
-				.subarray(from, from + length)
-				.toString("utf8")
-				.replace(/\0.*$/s, "");
-		const size = parseInt(field(124, 12).trim() || "0", 8);
-		const type = String.fromCharCode(header[156]!);
-		const dataStart = offset + 512;
-		const end = dataStart + Math.ceil(size / 512) * 512;
-		const data = tar.subarray(dataStart, dataStart + size).toString("utf8");
-		if (type === "x") {
-			longName = /(?:^|\n)\d+ path=([^\n]*)\n/.exec(data)?.[1] ?? longName;
-		} else if (type === "L") {
-			longName = data.replace(/\0.*$/s, "");
-		} else {
-			const prefix = field(345, 155);
-			const name = longName ?? (prefix ? `${prefix}/` : "") + field(0, 100);
-			entries.push({
-				name: name.replace(/^\.\//, ""),
-				start,
-				dataStart,
-				size,
-				end,
-			});
-			longName = undefined;
-			start = end;
-		}
-		offset = end;
+class TemplateLayers {
+	readonly #sizes: Set<number>;
+	constructor(
+		readonly diffIds: string[],
+		readonly sizes: number[],
+	) {
+		this.#sizes = new Set(sizes.filter((size) => size >= MIN_THIN_LAYER));
 	}
-	return entries;
+
+	/** Whether an entry of a save may be one of these layers' tars. */
+	has(entry: TarEntry): boolean {
+		return entry.name.endsWith("/layer.tar") && this.#sizes.has(entry.size);
+	}
+}
+
+/** Template layers by engine socket and image id. */
+const templateLayers = new Map<string, Promise<TemplateLayers>>();
+
+/**
+ * Streams a tar archive, keeping the entries `keep` says yes to. Entries
+ * left out are never buffered. Reads the ustar name and prefix and a
+ * preceding pax (`x`) or GNU long-name (`L`) header, which go with the
+ * entry they precede.
+ */
+async function filterTar(
+	stream: Readable,
+	keep: (entry: TarEntry) => boolean,
+): Promise<FilteredTar> {
+	const out: FilteredTar = { blocks: [], files: new Map(), skipped: [] };
+	let pending: Buffer = Buffer.alloc(0);
+	let meta: Buffer[] = [];
+	let longName: string | undefined;
+	let current: {
+		entry: TarEntry;
+		keep: boolean;
+		left: number;
+		data: Buffer[];
+	} | null = null;
+	let ended = false;
+	for await (const chunk of stream) {
+		if (ended) continue;
+		pending =
+			pending.length === 0
+				? (chunk as Buffer)
+				: Buffer.concat([pending, chunk as Buffer]);
+		while (pending.length > 0) {
+			if (current) {
+				const n = Math.min(current.left, pending.length);
+				if (current.keep) {
+					current.data.push(pending.subarray(0, n));
+					out.blocks.push(pending.subarray(0, n));
+				}
+				current.left -= n;
+				pending = pending.subarray(n);
+				if (current.left > 0) break;
+				const { entry, data } = current;
+				if (current.keep && !entry.name.includes("/"))
+					out.files.set(
+						entry.name,
+						Buffer.concat(data).subarray(0, entry.size),
+					);
+				if (!current.keep) out.skipped.push(entry);
+				current = null;
+				continue;
+			}
+			if (pending.length < 512) break;
+			const header = pending.subarray(0, 512);
+			if (header.every((b) => b === 0)) {
+				ended = true;
+				break;
+			}
+			const field = (from: number, length: number) =>
+				header
+					.subarray(from, from + length)
+					.toString("utf8")
+					.replace(/\0.*$/s, "");
+			const size = parseInt(field(124, 12).trim() || "0", 8);
+			const type = String.fromCharCode(header[156]!);
+			const padded = Math.ceil(size / 512) * 512;
+			if (type === "x" || type === "L" || type === "g") {
+				// Small: wait until it is here whole.
+				if (pending.length < 512 + padded) break;
+				const data = pending.subarray(512, 512 + size).toString("utf8");
+				if (type === "x")
+					longName = /(?:^|\n)\d+ path=([^\n]*)\n/.exec(data)?.[1] ?? longName;
+				if (type === "L") longName = data.replace(/\0.*$/s, "");
+				meta.push(pending.subarray(0, 512 + padded));
+				pending = pending.subarray(512 + padded);
+				continue;
+			}
+			const prefix = field(345, 155);
+			const name = (
+				longName ?? (prefix ? `${prefix}/` : "") + field(0, 100)
+			).replace(/^\.\//, "");
+			const entry = { name, size };
+			const kept = keep(entry);
+			if (kept) out.blocks.push(...meta, header);
+			meta = [];
+			longName = undefined;
+			current = { entry, keep: kept, left: padded, data: [] };
+			pending = pending.subarray(512);
+		}
+	}
+	if (current || !ended)
+		throw new Error("docker save: the archive is cut short");
+	return out;
+}
+
+/** A filtered archive as bytes: its blocks and the two zero blocks that end a tar. */
+function archive(saved: FilteredTar): Buffer {
+	return Buffer.concat([...saved.blocks, Buffer.alloc(1024)]);
+}
+
+/** The manifest and config of a one-image `docker save` archive. */
+function savedImage(saved: FilteredTar): {
+	manifest: { Config: string; Layers: string[] };
+	config: { rootfs: { diff_ids: string[] } };
+} {
+	const json = (name: string) => {
+		const data = saved.files.get(name);
+		if (!data) throw new Error(`docker save: no ${name} in the archive`);
+		return JSON.parse(data.toString("utf8"));
+	};
+	const [manifest] = json("manifest.json");
+	if (!manifest) throw new Error("docker save: an empty manifest");
+	return { manifest, config: json(manifest.Config) };
 }
 
 /**
- * A `docker save` archive without the layer files of the longest prefix of
- * its layers that `template` (diff ids, base first) shares. `docker load`
- * takes a layer it already has from its own store without opening the
- * file; an archive sharing nothing comes back as it was.
+ * A save with the template's layers left out as an archive, or undefined
+ * when what was left out is not exactly template layers in the template's
+ * positions. `docker load` takes a layer it already has (same diff ids
+ * from the base up) from its own store without opening the missing file.
  */
-function withoutLayers(tar: Buffer, template: string[]): Buffer {
-	const entries = tarEntries(tar);
-	const read = (name: string) => {
-		const entry = entries.find((e) => e.name === name);
-		if (!entry) throw new Error(`docker save: no ${name} in the archive`);
-		return JSON.parse(
-			tar
-				.subarray(entry.dataStart, entry.dataStart + entry.size)
-				.toString("utf8"),
-		);
-	};
-	const [manifest] = read("manifest.json") as {
-		Config: string;
-		Layers: string[];
-	}[];
-	if (!manifest) return tar;
-	const diffIds = (read(manifest.Config) as { rootfs: { diff_ids: string[] } })
-		.rootfs.diff_ids;
+function thinArchive(
+	saved: FilteredTar,
+	template: TemplateLayers,
+): Buffer | undefined {
+	const { manifest, config } = savedImage(saved);
+	const diffIds = config.rootfs.diff_ids;
 	let shared = 0;
 	while (
-		shared < template.length &&
-		shared < diffIds.length &&
-		diffIds[shared] === template[shared]
+		shared < template.diffIds.length &&
+		diffIds[shared] === template.diffIds[shared]
 	)
 		shared++;
-	const drop = new Set(manifest.Layers.slice(0, shared));
-	if (drop.size === 0) return tar;
-	const kept = entries
-		.filter((e) => !drop.has(e.name))
-		.map((e) => tar.subarray(e.start, e.end));
-	// Two zero blocks end an archive.
-	return Buffer.concat([...kept, Buffer.alloc(1024)]);
+	const ok = saved.skipped.every((entry) => {
+		const at = manifest.Layers.indexOf(entry.name);
+		return at >= 0 && at < shared && template.sizes[at] === entry.size;
+	});
+	return ok ? archive(saved) : undefined;
 }
 
 /** The messages of a JSON-lines progress stream (load, import). */

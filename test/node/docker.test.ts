@@ -256,7 +256,12 @@ describe.skipIf(skip)("DockerSandbox", () => {
 	it("says so when a thin snapshot's template image is missing on the restoring engine", async () => {
 		// A template of its own, so removing it takes its layer away.
 		const base = await factory().start();
-		await base.exec(sh("echo template > /etc/template"));
+		// Big enough to be worth leaving out (small layers always go in).
+		await base.exec(
+			sh(
+				"echo template > /etc/template && head -c 200000 /dev/urandom > /etc/r",
+			),
+		);
 		const template = `trellis-test-template:${RUN}`;
 		await run("docker", ["commit", base.containerId, template]);
 		await base.stop();
@@ -309,6 +314,31 @@ describe.skipIf(skip)("DockerSandbox", () => {
 		});
 		expect(new Set(all.map((sb) => sb.containerId)).size).toBe(6);
 		await Promise.all(all.map((sb) => sb.stop()));
+	});
+
+	it("compiles and runs a C program in the Debian image, with dash keeping the shell state", async (ctx) => {
+		// Built by `.ci/docker.sh` (mmdebstrap); locally only on request.
+		const image = "trellis-debian:latest";
+		const present = await engine.inspectImage(image).then(
+			() => true,
+			() => false,
+		);
+		if (!present && !process.env.CI) ctx.skip();
+		const a = await factory({ image }).start();
+		const source = 'int main(void) { puts("compiled"); return 3; }';
+		const build = await a.exec(
+			sh(
+				`mkdir -p /work/c && cd /work/c && export CFLAGS=-O2 && printf '#include <stdio.h>\\n%s\\n' '${source}' > main.c && gcc $CFLAGS main.c -o main`,
+			),
+		);
+		expect(build).toMatchObject({ output: "", exitCode: 0 });
+		const b = await a.fork();
+		const ran = await b.exec(sh("pwd; echo $CFLAGS; ./main"));
+		expect(ran).toMatchObject({
+			output: "/work/c\n-O2\ncompiled\n",
+			exitCode: 3,
+		});
+		await Promise.all([a.stop(), b.stop()]);
 	});
 
 	it("takes reading commands as stateless and everything else as state-changing", () => {
