@@ -131,7 +131,7 @@ export interface Host {
 	/** Stops sandboxes idle longer than `idleMs` now; returns their ids. */
 	sweepIdle(): Promise<string[]>;
 	/** What `GET /health` answers. */
-	health(): HostHealth;
+	health(): HostHealth & { poolHits: number; poolMisses: number };
 }
 
 /** Hono's environment for the host app. */
@@ -401,7 +401,7 @@ export function createHost(options: HostOptions): Host {
 		return { kind: "fork", parent: () => factory.restore(sourceOf(restore)) };
 	}
 
-	function health(): HostHealth {
+	function health(): HostHealth & { poolHits: number; poolMisses: number } {
 		const stats = pool.stats();
 		let busy = 0;
 		for (const s of sandboxes.values()) if (s.busy > 0) busy++;
@@ -411,6 +411,9 @@ export function createHost(options: HostOptions): Host {
 			sandboxes: sandboxes.size,
 			busy,
 			pools: stats.pools,
+			// Starts that found a warm sandbox, and those that did not.
+			poolHits: stats.hits,
+			poolMisses: stats.misses,
 			starts: {
 				...stats.starts,
 				...(forks.length > 0 && {
@@ -645,11 +648,15 @@ export function createHost(options: HostOptions): Host {
 				);
 			} catch (err) {
 				if (err instanceof TrellisError)
-					throw hostError(
-						502,
-						"worker_error",
-						`uploading the snapshot failed: ${err.message}`,
-					);
+					// Too large is the snapshot's fault, not the host's: the
+					// Worker should not count it as a host failure.
+					throw err.status === 413
+						? hostError(413, "snapshot_too_large", err.message)
+						: hostError(
+								502,
+								"worker_error",
+								`uploading the snapshot failed: ${err.message}`,
+							);
 				throw err;
 			}
 		}

@@ -767,6 +767,7 @@ describe("capacity, idle sandboxes and shutdown", () => {
 			"hello seed\n",
 		);
 		expect((await health(h)).starts.pool.count).toBe(1);
+		expect(h.host.health()).toMatchObject({ poolHits: 1, poolMisses: 0 });
 		await vi.waitFor(async () => expect(await ready()).toBe(2));
 		const off = await signed(h, "POST", "/pools/warm", {
 			template: { driver: "workspace", name: "hello" },
