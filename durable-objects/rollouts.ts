@@ -12,7 +12,7 @@
 import { eq, sql } from "drizzle-orm";
 import type { DrizzleSqliteDODatabase } from "drizzle-orm/durable-sqlite";
 import type { SnapshotRef } from "../core/api.ts";
-import { sqlMutates } from "../core/classify.ts";
+import { sqlCallMutates } from "../core/classify.ts";
 import { now } from "../core/clock.ts";
 import type {
 	ExecResponse,
@@ -693,11 +693,12 @@ export class RolloutRunner {
  * certainly only reads is stateless; anything else is state-changing (a read
  * treated as a write costs hits, never correctness).
  */
-function defaultMutates(template: Template, call: { args: unknown }): boolean {
-	if (template.driver !== "sqlite") return true;
-	const a = call.args as { query?: unknown } | string | null;
-	const query = typeof a === "string" ? a : a?.query;
-	return typeof query === "string" ? sqlMutates(query) : true;
+function defaultMutates(
+	template: Template,
+	call: { tool: string; args: unknown },
+): boolean {
+	// The same rule the sqlite driver applies, so ids agree with the host.
+	return template.driver === "sqlite" ? sqlCallMutates(call) : true;
 }
 
 function pick(out: ExecResponse): {
