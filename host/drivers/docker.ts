@@ -992,6 +992,14 @@ export class DockerSandbox implements Sandbox {
 	#stopped = false;
 	/** Execs running now, each with a way to kill it; `stop()` uses it. */
 	#running = new Set<AbortController>();
+	/** The start in progress, so two callers share one container. */
+	#starting: Promise<void> | null = null;
+	/**
+	 * The last exec queued: execs run one at a time, as in a terminal. Two
+	 * at once would each start from the same saved directory and
+	 * environment, and the one to finish last would overwrite the other's.
+	 */
+	#queue: Promise<unknown> = Promise.resolve();
 
 	/**
 	 * Creates nothing: `start()` creates the container. `origin` is for the
@@ -1013,6 +1021,13 @@ export class DockerSandbox implements Sandbox {
 	async start(): Promise<void> {
 		if (this.#stopped) throw new Error("the docker sandbox is stopped");
 		if (this.#container !== null) return;
+		this.#starting ??= this.#create().finally(() => {
+			this.#starting = null;
+		});
+		return this.#starting;
+	}
+
+	async #create(): Promise<void> {
 		const image =
 			this.#ownImage ?? this.#context.options.image ?? DEFAULT_IMAGE;
 		const id = await this.#context.createContainer(
@@ -1033,10 +1048,17 @@ export class DockerSandbox implements Sandbox {
 	 * stdout and stderr come through one pipe, in the order written, cut at
 	 * the output cap. A timeout kills the command's process group and gives
 	 * exit code 124; what it did to files stays, its `cd`/`export` do not.
+	 * Execs on one sandbox run one at a time, in the order called.
 	 */
-	async exec(
+	exec(call: Call, options: DockerExecOptions = {}): Promise<DockerExecResult> {
+		const result = this.#queue.then(() => this.#exec(call, options));
+		this.#queue = result.catch(() => {});
+		return result;
+	}
+
+	async #exec(
 		call: Call,
-		options: DockerExecOptions = {},
+		options: DockerExecOptions,
 	): Promise<DockerExecResult> {
 		const context = this.#context;
 		if (!context.tools.includes(call.tool))
@@ -1299,7 +1321,7 @@ export async function removeLabelled(
 	await Promise.all(containers.map((c) => engine.removeContainer(c.Id)));
 	const images = await engine.json<
 		{ Id: string; Created: number; RepoTags: string[] | null }[]
-	>("GET", "/images/json", { query: { filters } });
+	>("GET", "/images/json", { query: { all: true, filters } });
 	images.sort((a, b) => b.Created - a.Created);
 	for (const image of images) {
 		for (const tag of image.RepoTags ?? []) await engine.removeImage(tag);

@@ -115,6 +115,32 @@ describe.skipIf(skip)("DockerSandbox", () => {
 		await sb.stop();
 	});
 
+	it("runs execs called at once one after another, so no state change is lost", async () => {
+		const sb = await factory().start();
+		await Promise.all([
+			sb.exec(sh("sleep 0.2; cd /tmp && export A=1")),
+			sb.exec(sh("export B=2")),
+			sb.exec(sh("export C=3")),
+		]);
+		expect((await sb.exec(sh("pwd; echo $A$B$C"))).output).toBe("/tmp\n123\n");
+		await sb.stop();
+	});
+
+	it("gives a container no network unless the template asks for one", async () => {
+		const interfaces = async (network: boolean) => {
+			const sb = await factory({ network }).start();
+			const r = await sb.exec(sh("tail -n +3 /proc/net/dev | cut -d: -f1"));
+			await sb.stop();
+			return r.output
+				.split("\n")
+				.map((l) => l.trim())
+				.filter(Boolean)
+				.sort();
+		};
+		expect(await interfaces(false)).toEqual(["lo"]);
+		expect(await interfaces(true)).toEqual(["eth0", "lo"]);
+	});
+
 	it("kills a command at its timeout, background jobs included, exits 124 and stays usable", async () => {
 		const sb = await factory({ timeoutMs: 500 }).start();
 		const t0 = Date.now();
