@@ -16,9 +16,13 @@
  *   image. The source keeps running: a commit of a busy container may catch
  *   a file half-written by a command still running, which an exec-at-a-time
  *   caller never sees, and it is what TVCache's fork does.
- * - snapshot: commit, then `docker save` of that image by id, gzipped. The
- *   archive is self-contained (every layer, the base image's too), so any
- *   host can restore it with `docker load`.
+ * - snapshot: commit, then `docker save` of that image by id, gzipped, with
+ *   the template image's layers left out: a snapshot holds what commands
+ *   changed (kilobytes, not the 2 MB busybox or 300 MB Debian base), and
+ *   `docker load` restores it on any engine that has the same template
+ *   image. `thinSnapshots: false` makes self-contained archives.
+ * - The image must have `/bin/sh`, `env`, `setsid`, `cat`, `mv`, `mkdir`,
+ *   `sleep` and `kill` (busybox or a Debian base has them).
  * - Everything the driver creates carries the label `trellis=1` (and the
  *   factory's own labels), so leftovers can be found and removed
  *   ({@link removeLabelled}).

@@ -112,7 +112,7 @@ build_debian() {
 		exit 1
 	fi
 	# mmdebstrap, not debootstrap: it installs with apt (parallel downloads)
-	# and writes a tarball directly, in about a third of the time. Docs,
+	# and writes the tarball to stdout, no staging directory. Docs,
 	# man pages and translations are left out; the package lists are
 	# removed by mmdebstrap itself. The layer is not reproducible across
 	# hosts (the mirror moves), so thin snapshots of it restore only on
