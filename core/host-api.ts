@@ -114,6 +114,8 @@ export interface ExecResponse {
 	exitCode: number;
 	execMs: number;
 	timedOut: boolean;
+	/** The driver's own verdict on whether the call changed state (sqlite decides this). */
+	mutates?: boolean;
 }
 
 /** `POST /sandboxes/:id/fork` → a new sandbox in the same state. */
@@ -150,6 +152,9 @@ export interface HostHealth {
 	sandboxes: number;
 	busy: number;
 	pools: { key: string; ready: number; target: number }[];
-	/** Pool hits and misses, and start latencies by source (ms, p50). */
+	/** Start latencies by source (ms, p50). */
 	starts: Record<string, { count: number; p50Ms: number }>;
+	/** Sandboxes handed out from a warm pool, and requests a pool could not serve. */
+	poolHits: number;
+	poolMisses: number;
 }

@@ -86,6 +86,17 @@ hosts.post(
 	},
 );
 
+hosts.delete("/:id", allow(["host", "admin"]), async (c) => {
+	const r = await c.env.DB.prepare(
+		"delete from hosts where id = ?1 and project_id = ?2",
+	)
+		.bind(c.req.param("id"), projectOf(c))
+		.run();
+	if (r.meta.changes === 0)
+		throw apiError(404, "host_not_found", "no such host");
+	return c.json({ id: c.req.param("id"), deregistered: true });
+});
+
 hosts.get("/", allow(["trainer", "host", "admin"]), async (c) => {
 	const { results } = await c.env.DB.prepare(
 		`select id, url, name, capacity, drivers, status, last_seen_at as lastSeenAt,

@@ -853,6 +853,17 @@ export function createHost(options: HostOptions): Host {
 		if (heartbeatTimer) clearInterval(heartbeatTimer);
 		if (sweepTimer) clearInterval(sweepTimer);
 		heartbeatTimer = sweepTimer = null;
+		if (registration) {
+			// Leave the Worker's host list now rather than going stale; a Worker
+			// that cannot be reached marks the host down by itself later.
+			await fetchWorker(`${worker.url}/v1/hosts/${registration.id}`, {
+				method: "DELETE",
+				headers: { authorization: `Bearer ${options.key}` },
+				signal: AbortSignal.timeout(5000),
+			})
+				.then((r) => r.body?.cancel())
+				.catch(() => undefined);
+		}
 		await Promise.all([...sandboxes.values()].map(remove));
 		await pool.drain();
 		for (const d of drivers.values()) await d.stop?.();

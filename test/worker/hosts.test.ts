@@ -69,6 +69,34 @@ describe("container hosts", () => {
 		expectError(beat, 404, "host_not_found");
 	});
 
+	it("deregisters a host, which then neither lists nor beats; another project cannot", async () => {
+		const r = await api("POST", "/v1/hosts", {
+			key: keys.host,
+			json: registration,
+		});
+		expectError(
+			await api("DELETE", `/v1/hosts/${r.body.id}`, { key: other.host }),
+			404,
+			"host_not_found",
+		);
+		const gone = await api("DELETE", `/v1/hosts/${r.body.id}`, {
+			key: keys.host,
+		});
+		expect(gone.body).toEqual({ id: r.body.id, deregistered: true });
+		const list = await api("GET", "/v1/hosts", { key: keys.host });
+		expect(list.body.hosts.map((h: { id: string }) => h.id)).not.toContain(
+			r.body.id,
+		);
+		expectError(
+			await api("POST", `/v1/hosts/${r.body.id}/heartbeat`, {
+				key: keys.host,
+				json: { sandboxes: 0, busy: 0 },
+			}),
+			404,
+			"host_not_found",
+		);
+	});
+
 	it("refuses bad registrations and keys without the host role", async () => {
 		expectError(
 			await api("POST", "/v1/hosts", { key: keys.trainer, json: registration }),
