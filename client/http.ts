@@ -22,6 +22,7 @@ import type {
 	TaskPage,
 	TaskStats,
 } from "../core/api.ts";
+import type { HostInfo } from "../core/host-api.ts";
 import type { Call } from "../core/ids.ts";
 import type {
 	OpenRolloutRequest,
@@ -328,6 +329,16 @@ export class TrellisClient {
 	}
 
 	// ------------------------------------------------------------ managed mode
+
+	/** `GET /v1/hosts`: the project's container hosts and whether they are up. */
+	async listHosts(): Promise<HostInfo[]> {
+		const body = await this.#json<{ hosts: HostInfo[] }>({
+			method: "GET",
+			path: "/v1/hosts",
+			retry: "idempotent",
+		});
+		return body.hosts;
+	}
 
 	/** `POST /v1/tasks/:task/rollouts`: a managed rollout at the root of the task. */
 	openRollout(

@@ -4,7 +4,7 @@
  * Shell commands append their name to a log outside the sandboxes, so the
  * tests count what really ran, not what the server says ran.
  */
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -317,6 +317,82 @@ describe("managed rollouts", () => {
 			await b.close();
 		},
 	);
+
+	it("survives a host killed mid-rollout: the next call restores on another host", async () => {
+		// A project of its own, so that the only hosts are the two started here.
+		const admin = new TrellisClient({ url: stack.url, key: stack.adminKey });
+		const project = `kill-${Date.now()}`;
+		await admin.createProject(project);
+		const trainer = client.withKey(
+			(await admin.createKey({ project, role: "trainer" })).key,
+		);
+		const hostKey = (await admin.createKey({ project, role: "host" })).key;
+
+		// The doomed host runs in a process of its own, to be SIGKILLed.
+		const child = spawn(
+			path.join("node_modules", ".bin", "tsx"),
+			[
+				"bin/host.ts",
+				"--worker",
+				stack.url,
+				"--key",
+				hostKey,
+				"--drivers",
+				"workspace",
+			],
+			// Its own process group: tsx runs node under it, and both must die.
+			{ stdio: ["ignore", "pipe", "inherit"], detached: true },
+		);
+		const kill = () => {
+			try {
+				process.kill(-child.pid!, "SIGKILL");
+			} catch {
+				// already gone
+			}
+		};
+		try {
+			await new Promise<void>((resolve, reject) => {
+				child.stdout!.on(
+					"data",
+					(b: Buffer) => b.toString().includes(" at http") && resolve(),
+				);
+				child.once("exit", () =>
+					reject(new Error("the host exited before it registered")),
+				);
+			});
+			const task = taskName("killed");
+			const r = await trainer.openRollout(task, { template: workspace });
+			const call = (c: ReturnType<typeof sh>) =>
+				trainer.rolloutCall(task, r.id, c);
+			await call(sh("k-slow", "sleep 0.5; echo base > base && echo ok"));
+			await call(sh("k-step", "echo step >> base"));
+
+			const survivor = createHost({
+				worker: stack.url,
+				key: hostKey,
+				name: "survivor",
+				dataDir: await tmp("host-survivor"),
+				drivers: ["workspace"],
+				log: () => undefined,
+			});
+			await survivor.start();
+			hosts.push(survivor);
+			const exited = new Promise((resolve) => child.once("exit", resolve));
+			kill();
+			await exited;
+
+			const next = await call(sh("k-next", "cat base"));
+			expect(next.output).toBe("base\nstep\n");
+			expect(next.plan).toMatchObject({ from: 1, replayed: 1 });
+			expect(survivor.health().sandboxes).toBe(1);
+			expect(await ran("k-step")).toBe(2);
+			const listed = await trainer.listHosts();
+			expect(listed.find((h) => h.name === "survivor")?.status).toBe("up");
+			await trainer.closeRollout(task, r.id);
+		} finally {
+			kill();
+		}
+	});
 
 	// Last: it stops a host.
 	it("moves a call to another host when the rollout's host dies, restoring across hosts", async () => {
