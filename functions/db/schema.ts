@@ -14,6 +14,11 @@ import {
 export const projects = sqliteTable("projects", {
 	id: text("id").primaryKey(),
 	createdAt: integer("created_at").notNull(),
+	/**
+	 * JSON overrides of the default per-task budgets and project quotas
+	 * (core/eviction.ts `Budgets`); null: the Worker's defaults.
+	 */
+	budgets: text("budgets"),
 });
 
 export const apiKeys = sqliteTable(
