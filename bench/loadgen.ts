@@ -184,7 +184,7 @@ export function recordMs(h: hdr.Histogram, ms: number): void {
 }
 
 /** Machine-wide CPU ticks, to see whether the box itself is saturated. */
-function cpuTicks(): { busy: number; total: number } {
+export function cpuTicks(): { busy: number; total: number } {
 	let busy = 0;
 	let total = 0;
 	for (const c of cpus()) {

@@ -43,6 +43,7 @@ import { Pool } from "undici";
 import type { Call, RecordedCall } from "../core/api.ts";
 import { callKey, childId, pathIds, ROOT_ID } from "../core/ids.ts";
 import {
+	cpuTicks,
 	ms,
 	newHistogram,
 	recordMs,
@@ -721,6 +722,47 @@ interface PairRun {
 	pairUs: LatencySummary;
 	firstUs: LatencySummary;
 	secondUs: LatencySummary;
+	/** As for the load runs: other work on the machine, a Worker restart. */
+	otherCores: number | null;
+	restarted: boolean;
+}
+
+/**
+ * Starts watching the machine; the returned function says how many cores
+ * went to anything but this process and the stack, and whether the Worker's
+ * workerd was replaced meanwhile.
+ */
+function watchMachine(t: Target): () => {
+	otherCores: number | null;
+	restarted: boolean;
+} {
+	const ticks0 = cpuTicks();
+	const self0 = process.cpuUsage();
+	const stack0 = groupCpuMs(t.pgid);
+	const wall0 = performance.now();
+	return () => {
+		const ticks1 = cpuTicks();
+		const self = process.cpuUsage(self0);
+		const stack1 = groupCpuMs(t.pgid);
+		const wall = performance.now() - wall0;
+		const restarted = stack0.procs.join() !== stack1.procs.join();
+		if (t.pgid === null || restarted || ticks1.total <= ticks0.total) {
+			return { otherCores: null, restarted };
+		}
+		const machine =
+			((ticks1.busy - ticks0.busy) / (ticks1.total - ticks0.total)) *
+			cpus().length;
+		let stackMs = 0;
+		for (const [k, v] of Object.entries(stack1.ms)) {
+			stackMs += v - (stack0.ms[k] ?? 0);
+		}
+		const selfMs = (self.user + self.system) / 1000;
+		const other = machine - (selfMs + stackMs) / wall;
+		return {
+			otherCores: Math.max(0, Math.round(other * 100) / 100),
+			restarted,
+		};
+	};
 }
 
 /**
@@ -748,6 +790,7 @@ async function runPairs(
 	let errors = 0;
 	let overruns = 0;
 	const progress = startProgress({ name }, count);
+	const watch = watchMachine(t);
 	const t0 = performance.now() + 20;
 	for (let j = 0; j < count; j++) {
 		const due = t0 + (j * 1000) / rate;
@@ -769,8 +812,10 @@ async function runPairs(
 		progress.update(j + 1, 0, errors);
 	}
 	progress.stop(count, 0, errors);
+	const machine = watch();
 	await pool.close();
 	return {
+		...machine,
 		pairs: count,
 		rate,
 		ok,
@@ -985,6 +1030,15 @@ function table(lines: Line[], pairs: PairRun, floor: PairRun): string {
 		["miss+record", pairs, pairPass ? "PASS" : "FAIL"],
 		["floor pair", floor, floor.errors === 0 ? "PASS" : "FAIL"],
 	] as const) {
+		const notes = [
+			label === "miss+record"
+				? `lookup p50 ${ms(p.firstUs.p50)} + record p50 ${ms(p.secondUs.p50)}`
+				: "two GET /healthz in a row",
+		];
+		if (p.restarted) notes.push("INVALID: the Worker restarted mid-run");
+		if (p.otherCores !== null && p.otherCores > NOISY_CORES) {
+			notes.push(`other load ${p.otherCores} cores`);
+		}
 		rows.push([
 			String(p.rate),
 			label,
@@ -994,11 +1048,11 @@ function table(lines: Line[], pairs: PairRun, floor: PairRun): string {
 			ms(p.pairUs.p99),
 			ms(p.pairUs.max),
 			String(p.errors),
-			"",
+			label === "miss+record" && floor.pairUs.p50 > 0
+				? `${(p.pairUs.p50 / floor.pairUs.p50).toFixed(2)}x`
+				: "",
 			verdict,
-			label === "miss+record"
-				? `lookup p50 ${ms(p.firstUs.p50)} + record p50 ${ms(p.secondUs.p50)}`
-				: "two GET /healthz in a row",
+			notes.join("; "),
 		]);
 	}
 	const widths = head.map((h, i) =>
