@@ -263,6 +263,8 @@ export interface TaskStats {
 	conflicts: number;
 	coalesced: number;
 	oracle: { checks: number; mismatches: number };
+	/** Evictions by reason (snapshot_budget, node_budget, orphan) and bytes freed. */
+	evictions: Record<string, { count: number; bytes: number }>;
 	tools: Record<string, ToolStats>;
 }
 
@@ -285,6 +287,11 @@ export interface GraphNode {
 	 * cost since the nearest snapshot, the snapshot + restore cost, the verdict.
 	 */
 	policy: { replayMs: number; costMs: number; snapshot: boolean } | null;
+	/**
+	 * Eviction score (value per byte; the lowest goes first): the snapshot's
+	 * for a node with one, else its subtree's. Null for the root.
+	 */
+	score: number | null;
 	createdAt: number;
 }
 export interface GraphPage {

@@ -42,6 +42,8 @@ export interface GraphAccess {
 	stored(id: string): { hit: StoredHit; tool: string } | null;
 	output(hit: StoredHit): Promise<string>;
 	countHit(tool: string, id: string, execMs: number): void;
+	/** A snapshot was restored (or a warm fork of it taken). */
+	countRestore(id: string): void;
 	countMiss(tool: string): void;
 	countCoalesced(tool: string): void;
 	countOracle(tool: string, mismatch: boolean): void;
@@ -395,6 +397,7 @@ export class RolloutRunner {
 				HOST_TIMEOUT_MS,
 			);
 			sandboxId = started.id;
+			if (base) this.graph.countRestore(base.id);
 			const kind =
 				started.source === "pool"
 					? "pool"

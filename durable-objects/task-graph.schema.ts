@@ -38,6 +38,9 @@ export const nodes = sqliteTable(
 		snapshotBytes: integer("snapshot_bytes"),
 		hits: integer("hits").notNull().default(0),
 		lastHitAt: integer("last_hit_at"),
+		/** Times its snapshot was handed out to resume from, and the last time. */
+		restores: integer("restores").notNull().default(0),
+		lastRestoredAt: integer("last_restored_at"),
 		createdAt: integer("created_at").notNull(),
 		/**
 		 * The selective snapshot decision made after this state was executed in
@@ -119,4 +122,11 @@ export const costs = sqliteTable("costs", {
 export const meta = sqliteTable("meta", {
 	key: text("key").primaryKey(),
 	value: text("value").notNull(),
+});
+
+/** Evictions by reason (`snapshot_budget`, `node_budget`, `idle`, `orphan`) and bytes freed. */
+export const evictions = sqliteTable("evictions", {
+	reason: text("reason").primaryKey(),
+	count: integer("count").notNull().default(0),
+	bytes: integer("bytes").notNull().default(0),
 });

@@ -9,7 +9,17 @@
  * both sides are server code built from the same `core/ids.ts`.
  */
 import { DurableObject } from "cloudflare:workers";
-import { and, asc, eq, gt, isNotNull, isNull, lte, sql } from "drizzle-orm";
+import {
+	and,
+	asc,
+	eq,
+	gt,
+	inArray,
+	isNotNull,
+	isNull,
+	lte,
+	sql,
+} from "drizzle-orm";
 import {
 	drizzle,
 	type DrizzleSqliteDODatabase,
@@ -28,6 +38,19 @@ import type {
 	ToolStats,
 } from "../core/api.ts";
 import { now } from "../core/clock.ts";
+import {
+	graphOf,
+	snapshotScores,
+	snapshotsToEvict,
+	subtreeIds,
+	subtrees,
+	subtreesToEvict,
+	usageOf,
+	type Budgets,
+	type EvictionNode,
+	type Graph,
+	type Usage,
+} from "../core/eviction.ts";
 import { ROOT_ID, pathIds } from "../core/ids.ts";
 import type {
 	OpenRolloutRequest,
@@ -39,7 +62,14 @@ import { fail, ok, type Result } from "../core/result.ts";
 import migrations from "../migrations/task-graph/migrations.js";
 import { RolloutRunner, type GraphAccess, type PathNode } from "./rollouts.ts";
 import * as schema from "./task-graph.schema.ts";
-import { leases, meta, nodes, toolStats } from "./task-graph.schema.ts";
+import {
+	evictions,
+	leases,
+	meta,
+	nodes,
+	rollouts as rolloutRows,
+	toolStats,
+} from "./task-graph.schema.ts";
 
 /** What the index keeps of a node: enough to match prefixes and find snapshots. */
 interface IndexNode {
@@ -99,6 +129,22 @@ export interface RecordInput {
 	}[];
 	/** Outputs above this many UTF-8 bytes go to R2. */
 	inlineMaxBytes: number;
+	/** The task's budgets as the Worker resolved them (project overrides on defaults). */
+	budgets?: Budgets;
+}
+
+/** What the cron asks of each task. */
+export interface SweepInput {
+	budgets: Budgets;
+	/** Delete the task when unused this long (and nothing holds it). */
+	idleTtlMs: number;
+	/** Delete blobs no node points at once they are this old. */
+	orphanGraceMs: number;
+}
+
+export interface SweepResult {
+	deleted: boolean;
+	evicted: { snapshots: number; nodes: number; orphans: number; bytes: number };
 }
 
 /** A hit served by a Worker from its own cache, counted here in batches. */
@@ -119,6 +165,10 @@ export class TaskGraph extends DurableObject<Env> {
 	#alarmAt: number | null = null;
 	#indexDirty = false;
 	#lastUsedAt = 0;
+	/** What the task holds against its budgets, kept current on every change. */
+	#usage: Usage = { snapshots: 0, snapshotBytes: 0, nodes: 0, outputBytes: 0 };
+	#budgets: Budgets | null = null;
+	#enforceDue = false;
 	#rollouts: RolloutRunner;
 
 	constructor(ctx: DurableObjectState, env: Env) {
@@ -233,6 +283,7 @@ export class TaskGraph extends DurableObject<Env> {
 			};
 			if (input.lease)
 				lease = this.#grantLease(snapshotState, input.leaseTtlMs, at);
+			this.#countRestore(snapshotState, at);
 		}
 		this.#bumpTool(tool, { lookups: 1, misses: 1 });
 		this.#touch();
@@ -333,6 +384,12 @@ export class TaskGraph extends DurableObject<Env> {
 						kind,
 						snapshot: c.snapshot !== undefined,
 					});
+					this.#usage.nodes++;
+					this.#usage.outputBytes += bytes;
+					if (c.snapshot) {
+						this.#usage.snapshots++;
+						this.#usage.snapshotBytes += c.snapshot.bytes;
+					}
 					results.push({ id: c.id, status: "recorded" });
 				}
 				this.#bumpTool(c.tool, toolDelta);
@@ -351,6 +408,8 @@ export class TaskGraph extends DurableObject<Env> {
 				.get();
 			if (!used) await this.env.BLOBS.delete(key);
 		}
+		if (input.budgets) this.#setBudgets(input.budgets);
+		this.#checkBudgets();
 		this.#touch();
 		return ok({ state, results, conflicts });
 	}
@@ -486,6 +545,13 @@ export class TaskGraph extends DurableObject<Env> {
 				checks: total.oracleChecks,
 				mismatches: total.oracleMismatches,
 			},
+			evictions: Object.fromEntries(
+				this.#db
+					.select()
+					.from(evictions)
+					.all()
+					.map((e) => [e.reason, { count: e.count, bytes: e.bytes }]),
+			),
 			tools,
 		};
 	}
@@ -501,6 +567,18 @@ export class TaskGraph extends DurableObject<Env> {
 			.limit(limit + 1)
 			.all();
 		const page = rows.slice(0, limit);
+		// Scores need the whole tree; computed per page, which is O(nodes).
+		const at = now();
+		const g = this.#evictionGraph();
+		const snapScores = snapshotScores(g, at);
+		const trees = subtrees(g, this.#pinned(at, true), at);
+		const score = (id: string, kind: string): number | null => {
+			if (kind === "root") return null;
+			const s = snapScores.get(id);
+			if (s !== undefined) return s;
+			const t = trees.get(id);
+			return t ? t.value / t.bytes : null;
+		};
 		return {
 			nodes: page.map((r) => ({
 				seq: r.seq,
@@ -530,6 +608,7 @@ export class TaskGraph extends DurableObject<Env> {
 								costMs: r.policyCostMs ?? 0,
 								snapshot: r.policySnapshot,
 							},
+				score: score(r.id, r.kind),
 				createdAt: r.createdAt,
 			})),
 			next: rows.length > limit ? page[page.length - 1].seq : null,
@@ -580,6 +659,7 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#alarmAt = null;
 		const at = now();
 		this.#expireLeases(at);
+		if (this.#enforceDue) await this.#enforce(this.#budgetsOrDefault(), at);
 		if (this.#indexDirty) await this.#flushIndex(at);
 
 		const next = this.#db
@@ -599,9 +679,39 @@ export class TaskGraph extends DurableObject<Env> {
 		if (due.length > 0) this.#armAlarm(Math.min(...due));
 	}
 
-	/** The cron's per-task work: the same lease expiry the alarm does. */
-	async sweep(): Promise<void> {
-		this.#expireLeases(now());
+	/**
+	 * The cron's per-task work: expire leases; delete the task if it has been
+	 * idle past the TTL with nothing holding it; else enforce its budgets and
+	 * delete blobs that no node points at. Safe to run twice at once (the
+	 * object serializes it; every step is idempotent).
+	 */
+	async sweep(input: SweepInput): Promise<SweepResult> {
+		const at = now();
+		this.#setBudgets(input.budgets);
+		this.#expireLeases(at);
+		const evicted = { snapshots: 0, nodes: 0, orphans: 0, bytes: 0 };
+		const scope = this.#scopeOf();
+		if (scope === null) return { deleted: false, evicted };
+		const lastUsed = Number(
+			this.#db.select().from(meta).where(eq(meta.key, "last_used_at")).get()
+				?.value ?? this.#lastUsedAt,
+		);
+		const used = Math.max(lastUsed, this.#lastUsedAt);
+		if (at - used > input.idleTtlMs && this.#pinned(at, true).size === 0) {
+			evicted.bytes = await this.#deleteTask(scope);
+			return { deleted: true, evicted };
+		}
+		Object.assign(evicted, await this.#enforce(input.budgets, at));
+		const orphans = await this.#sweepOrphans(scope, at - input.orphanGraceMs);
+		evicted.orphans = orphans.count;
+		evicted.bytes += orphans.bytes;
+		return { deleted: false, evicted };
+	}
+
+	/** Enforces the task's budgets now (the alarm does this after records that overflow). */
+	async enforce(budgets: Budgets): Promise<SweepResult["evicted"]> {
+		this.#setBudgets(budgets);
+		return { ...(await this.#enforce(budgets, now())), orphans: 0 };
 	}
 
 	// ------------------------------------------------------------ internals
@@ -627,6 +737,7 @@ export class TaskGraph extends DurableObject<Env> {
 				return blob.text();
 			},
 			countHit: (tool, id, execMs) => this.#countHit(tool, id, execMs, now()),
+			countRestore: (id) => this.#countRestore(id, now()),
 			countMiss: (tool) => this.#bumpTool(tool, { lookups: 1, misses: 1 }),
 			countCoalesced: (tool) =>
 				this.#bumpTool(tool, { lookups: 1, coalesced: 1 }),
@@ -686,6 +797,321 @@ export class TaskGraph extends DurableObject<Env> {
 		});
 	}
 
+	// ------------------------------------------------------------ eviction
+
+	#countRestore(id: string, at: number): void {
+		this.#db
+			.update(nodes)
+			.set({ restores: sql`${nodes.restores} + 1`, lastRestoredAt: at })
+			.where(eq(nodes.id, id))
+			.run();
+	}
+
+	#setBudgets(b: Budgets): void {
+		this.#budgets = b;
+	}
+
+	/** The budgets last given (by a record or the cron), else the Worker's defaults. */
+	#budgetsOrDefault(): Budgets {
+		return (
+			this.#budgets ?? {
+				snapshots: Number(this.env.BUDGET_SNAPSHOTS),
+				snapshotBytes: Number(this.env.BUDGET_SNAPSHOT_BYTES),
+				nodes: Number(this.env.BUDGET_NODES),
+				outputBytes: Number(this.env.BUDGET_OUTPUT_BYTES),
+				tasks: Number(this.env.QUOTA_TASKS),
+				projectBytes: Number(this.env.QUOTA_BYTES),
+			}
+		);
+	}
+
+	/** Over a budget: evict from the alarm, off the request that overflowed it. */
+	#checkBudgets(): void {
+		const b = this.#budgetsOrDefault();
+		const u = this.#usage;
+		if (
+			u.snapshots > b.snapshots ||
+			u.snapshotBytes > b.snapshotBytes ||
+			u.nodes > b.nodes ||
+			u.outputBytes > b.outputBytes
+		) {
+			this.#enforceDue = true;
+			this.#armAlarm(now());
+		}
+	}
+
+	/**
+	 * What eviction must not touch: nodes with live leases, and (for
+	 * subtrees) the states open rollouts are at or hold a sandbox in.
+	 */
+	#pinned(at: number, withRollouts: boolean): Set<string> {
+		const pinned = new Set(
+			this.#db
+				.select({ id: leases.nodeId })
+				.from(leases)
+				.where(and(isNull(leases.expiredAt), gt(leases.expiresAt, at)))
+				.all()
+				.map((r) => r.id),
+		);
+		if (withRollouts) {
+			for (const r of this.#db
+				.select({ state: rolloutRows.state, sandbox: rolloutRows.sandboxState })
+				.from(rolloutRows)
+				.where(isNull(rolloutRows.closedAt))
+				.all()) {
+				pinned.add(r.state);
+				if (r.sandbox !== null) pinned.add(r.sandbox);
+			}
+		}
+		return pinned;
+	}
+
+	#evictionGraph(): Graph {
+		const rows = this.#db
+			.select({
+				id: nodes.id,
+				parent: nodes.parentId,
+				depth: nodes.depth,
+				kind: nodes.kind,
+				execMs: nodes.execMs,
+				hits: nodes.hits,
+				restores: nodes.restores,
+				lastHitAt: nodes.lastHitAt,
+				lastRestoredAt: nodes.lastRestoredAt,
+				createdAt: nodes.createdAt,
+				outputBytes: nodes.outputBytes,
+				snapshotKey: nodes.snapshotKey,
+				snapshotBytes: nodes.snapshotBytes,
+			})
+			.from(nodes)
+			.all();
+		return graphOf(
+			rows.map((r): EvictionNode => ({
+				id: r.id,
+				parent: r.parent,
+				depth: r.depth,
+				kind: r.kind,
+				execMs: r.execMs,
+				hits: r.hits,
+				restores: r.restores,
+				lastUsedAt: Math.max(
+					r.lastHitAt ?? 0,
+					r.lastRestoredAt ?? 0,
+					r.createdAt,
+				),
+				outputBytes: r.outputBytes,
+				snapshotBytes: r.snapshotKey === null ? null : (r.snapshotBytes ?? 0),
+			})),
+		);
+	}
+
+	/**
+	 * Evicts snapshots, then subtrees, least valuable first, until the task
+	 * is within its budgets. The rows go in one transaction; their blobs are
+	 * deleted after it, so no node ever points at a deleted blob (a crash in
+	 * between leaves orphans, which the sweep deletes).
+	 */
+	async #enforce(
+		budgets: Budgets,
+		at: number,
+	): Promise<{ snapshots: number; nodes: number; bytes: number }> {
+		this.#enforceDue = false;
+		const g = this.#evictionGraph();
+		const dropSnapshots = snapshotsToEvict(
+			g,
+			budgets,
+			this.#pinned(at, false),
+			at,
+		);
+		for (const id of dropSnapshots) g.nodes.get(id)!.snapshotBytes = null;
+		const dropTrees = subtreesToEvict(g, budgets, this.#pinned(at, true), at);
+		const dropNodes = dropTrees.flatMap((root) => subtreeIds(g, root));
+		if (dropSnapshots.length === 0 && dropNodes.length === 0) {
+			return { snapshots: 0, nodes: 0, bytes: 0 };
+		}
+
+		const blobKeys: string[] = [];
+		let snapshotBytesFreed = 0;
+		let nodeBytesFreed = 0;
+		this.ctx.storage.transactionSync(() => {
+			for (const ids of chunks(dropSnapshots, 200)) {
+				const rows = this.#db
+					.select({
+						id: nodes.id,
+						key: nodes.snapshotKey,
+						bytes: nodes.snapshotBytes,
+					})
+					.from(nodes)
+					.where(inArray(nodes.id, ids))
+					.all();
+				for (const r of rows) {
+					if (r.key?.startsWith("snapshots/")) blobKeys.push(r.key);
+					snapshotBytesFreed += r.bytes ?? 0;
+					this.#index.get(r.id)!.snapshot = false;
+				}
+				this.#db
+					.update(nodes)
+					.set({ snapshotDriver: null, snapshotKey: null, snapshotBytes: null })
+					.where(inArray(nodes.id, ids))
+					.run();
+			}
+			const outputKeys = new Set<string>();
+			for (const ids of chunks(dropNodes, 200)) {
+				const rows = this.#db
+					.select({
+						id: nodes.id,
+						outputKey: nodes.outputKey,
+						outputBytes: nodes.outputBytes,
+						snapshotKey: nodes.snapshotKey,
+						snapshotBytes: nodes.snapshotBytes,
+					})
+					.from(nodes)
+					.where(inArray(nodes.id, ids))
+					.all();
+				for (const r of rows) {
+					if (r.outputKey) outputKeys.add(r.outputKey);
+					if (r.snapshotKey?.startsWith("snapshots/"))
+						blobKeys.push(r.snapshotKey);
+					nodeBytesFreed += r.outputBytes + (r.snapshotBytes ?? 0);
+					this.#index.delete(r.id);
+				}
+				this.#db.delete(nodes).where(inArray(nodes.id, ids)).run();
+				this.#db.delete(leases).where(inArray(leases.nodeId, ids)).run();
+			}
+			// Outputs are content-addressed: keep a blob another node still uses.
+			for (const key of outputKeys) {
+				const used = this.#db
+					.select({ seq: nodes.seq })
+					.from(nodes)
+					.where(eq(nodes.outputKey, key))
+					.get();
+				if (!used) blobKeys.push(key);
+			}
+			if (dropSnapshots.length > 0)
+				this.#bumpEviction(
+					"snapshot_budget",
+					dropSnapshots.length,
+					snapshotBytesFreed,
+				);
+			if (dropNodes.length > 0)
+				this.#bumpEviction("node_budget", dropNodes.length, nodeBytesFreed);
+		});
+		this.#usage = this.#measureUsage();
+		for (const keys of chunks(blobKeys, 1000))
+			await this.env.BLOBS.delete(keys);
+		this.#touch();
+		return {
+			snapshots: dropSnapshots.length,
+			nodes: dropNodes.length,
+			bytes: snapshotBytesFreed + nodeBytesFreed,
+		};
+	}
+
+	/** Blobs under this task's prefixes that no node points at, older than `before`. */
+	async #sweepOrphans(
+		scope: Scope,
+		before: number,
+	): Promise<{ count: number; bytes: number }> {
+		let count = 0;
+		let bytes = 0;
+		for (const prefix of [
+			`outputs/${scope.project}/${scope.task}/`,
+			`snapshots/${scope.project}/${scope.task}/`,
+		]) {
+			let cursor: string | undefined;
+			do {
+				const page = await this.env.BLOBS.list({ prefix, cursor, limit: 1000 });
+				const column = prefix.startsWith("outputs/")
+					? nodes.outputKey
+					: nodes.snapshotKey;
+				const orphans = page.objects.filter(
+					(o) =>
+						o.uploaded.getTime() < before &&
+						!this.#db
+							.select({ seq: nodes.seq })
+							.from(nodes)
+							.where(eq(column, o.key))
+							.get(),
+				);
+				if (orphans.length > 0) {
+					await this.env.BLOBS.delete(orphans.map((o) => o.key));
+					count += orphans.length;
+					bytes += orphans.reduce((n, o) => n + o.size, 0);
+				}
+				cursor = page.truncated ? page.cursor : undefined;
+			} while (cursor);
+		}
+		if (count > 0) this.#bumpEviction("orphan", count, bytes);
+		return { count, bytes };
+	}
+
+	/** Deletes everything the task holds: its blobs, its rows, its index entry. */
+	async #deleteTask(scope: Scope): Promise<number> {
+		let bytes = 0;
+		for (const prefix of [
+			`outputs/${scope.project}/${scope.task}/`,
+			`snapshots/${scope.project}/${scope.task}/`,
+		]) {
+			let cursor: string | undefined;
+			do {
+				const page = await this.env.BLOBS.list({ prefix, cursor, limit: 1000 });
+				if (page.objects.length > 0) {
+					await this.env.BLOBS.delete(page.objects.map((o) => o.key));
+					bytes += page.objects.reduce((n, o) => n + o.size, 0);
+				}
+				cursor = page.truncated ? page.cursor : undefined;
+			} while (cursor);
+		}
+		this.ctx.storage.transactionSync(() => {
+			for (const table of [
+				nodes,
+				leases,
+				toolStats,
+				meta,
+				rolloutRows,
+				evictions,
+			]) {
+				this.#db.delete(table).run();
+			}
+		});
+		await this.env.DB.prepare(
+			"delete from tasks where project_id = ?1 and task = ?2",
+		)
+			.bind(scope.project, scope.task)
+			.run();
+		this.#scope = null;
+		this.#indexDirty = false;
+		this.#rebuild();
+		return bytes;
+	}
+
+	#bumpEviction(reason: string, count: number, bytes: number): void {
+		this.#db
+			.insert(evictions)
+			.values({ reason, count, bytes })
+			.onConflictDoUpdate({
+				target: evictions.reason,
+				set: {
+					count: sql`${evictions.count} + ${count}`,
+					bytes: sql`${evictions.bytes} + ${bytes}`,
+				},
+			})
+			.run();
+	}
+
+	#measureUsage(): Usage {
+		const u = this.#db
+			.select({
+				nodes: sql<number>`count(*)`,
+				outputBytes: sql<number>`coalesce(sum(${nodes.outputBytes}), 0)`,
+				snapshots: sql<number>`count(${nodes.snapshotKey})`,
+				snapshotBytes: sql<number>`coalesce(sum(case when ${nodes.snapshotKey} is not null then ${nodes.snapshotBytes} end), 0)`,
+			})
+			.from(nodes)
+			.get()!;
+		return u;
+	}
+
 	/** A state, not a stateless result: only states have children and snapshots. */
 	#holdsState(id: string): boolean {
 		const n = this.#index.get(id);
@@ -711,6 +1137,7 @@ export class TaskGraph extends DurableObject<Env> {
 
 	#rebuild(): void {
 		this.#index.clear();
+		this.#usage = { snapshots: 0, snapshotBytes: 0, nodes: 0, outputBytes: 0 };
 		const hasRoot = this.#db
 			.select()
 			.from(nodes)
@@ -746,6 +1173,7 @@ export class TaskGraph extends DurableObject<Env> {
 				snapshot: r.snapshotKey !== null,
 			});
 		}
+		this.#usage = this.#measureUsage();
 	}
 
 	/** The held state-changing calls strictly below `from`, down to `to`. */
@@ -798,6 +1226,8 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	#attachSnapshot(id: string, ref: SnapshotRef): void {
+		this.#usage.snapshots++;
+		this.#usage.snapshotBytes += ref.bytes;
 		this.#db
 			.update(nodes)
 			.set({
@@ -923,6 +1353,15 @@ export class TaskGraph extends DurableObject<Env> {
 			this.#db.select().from(meta).where(eq(meta.key, "created_at")).get()
 				?.value ?? at,
 		);
+		// The cron's idle check reads this after a restart has lost #lastUsedAt.
+		this.#db
+			.insert(meta)
+			.values({ key: "last_used_at", value: String(this.#lastUsedAt || at) })
+			.onConflictDoUpdate({
+				target: meta.key,
+				set: { value: String(this.#lastUsedAt || at) },
+			})
+			.run();
 		// A change during the write below marks the index dirty again.
 		this.#indexDirty = false;
 		await this.env.DB.prepare(
@@ -950,4 +1389,11 @@ export class TaskGraph extends DurableObject<Env> {
 				throw e;
 			});
 	}
+}
+
+function chunks<T>(items: T[], size: number): T[][] {
+	const out: T[][] = [];
+	for (let i = 0; i < items.length; i += size)
+		out.push(items.slice(i, i + size));
+	return out;
 }

@@ -4,8 +4,16 @@
  * The root admin key is the Worker secret TRELLIS_ADMIN_KEY: it creates
  * projects and keys, and sees no task.
  *
- * Verified keys are remembered per isolate for a few seconds so that a hit
- * does not wait on D1; revoking a key through this isolate forgets it at once.
+ * Revocation: verified keys are remembered per isolate for KEY_CACHE_MS so
+ * that a hit answered from the Worker's memory does not wait on D1 (a D1 read
+ * from a far location costs tens of milliseconds; a hit costs a few). The
+ * isolate that revokes or rotates a key forgets it at once, so a revoked key
+ * is refused from then on by that isolate; other isolates may accept it for
+ * at most KEY_CACHE_MS more. That bound is a deliberate trade: making
+ * revocation exact everywhere needs a shared read on every request, which is
+ * the cost the edge cache exists to avoid. A rotated key's grace end
+ * (`expires_at`) is exact in every isolate: it is known when the key is
+ * cached, and a cache entry never outlives it.
  */
 import { createHash, timingSafeEqual } from "node:crypto";
 import { createMiddleware } from "hono/factory";
@@ -14,22 +22,26 @@ import { now } from "../core/clock.ts";
 import type { AppEnv, Principal } from "./app.ts";
 import { apiError } from "./errors.ts";
 
-const KEY_CACHE_MS = 5000;
+/** How long an isolate trusts what D1 said about a key (see above). */
+export const KEY_CACHE_MS = 5000;
 const keyCache = new Map<
 	string,
 	{ principal: Principal | null; until: number }
 >();
 
+/** SHA-256 of a key, hex: what D1 stores and looks keys up by. */
 export function hashKey(key: string): string {
 	return createHash("sha256").update(key, "utf8").digest("hex");
 }
 
+/** A new secret key: `trk_` and 32 random bytes in hex. */
 export function newKey(): string {
 	const bytes = new Uint8Array(32);
 	crypto.getRandomValues(bytes);
 	return `trk_${Buffer.from(bytes).toString("hex")}`;
 }
 
+/** Drops this isolate's memory of a key, so its next use asks D1. */
 export function forgetKey(hash: string): void {
 	keyCache.delete(hash);
 }
@@ -48,15 +60,25 @@ async function resolve(env: Env, key: string): Promise<Principal | null> {
 	const t = now();
 	if (cached && cached.until > t) return cached.principal;
 	const row = await env.DB.prepare(
-		"select id, project_id, role from api_keys where hash = ?1 and revoked_at is null",
+		`select id, project_id, role, expires_at from api_keys
+		 where hash = ?1 and revoked_at is null
+		   and (expires_at is null or expires_at > ?2)`,
 	)
-		.bind(hash)
-		.first<{ id: string; project_id: string; role: Role }>();
+		.bind(hash, t)
+		.first<{
+			id: string;
+			project_id: string;
+			role: Role;
+			expires_at: number | null;
+		}>();
 	const principal: Principal | null = row
 		? { kind: "key", keyId: row.id, project: row.project_id, role: row.role }
 		: null;
 	if (keyCache.size > 10_000) keyCache.clear();
-	keyCache.set(hash, { principal, until: t + KEY_CACHE_MS });
+	keyCache.set(hash, {
+		principal,
+		until: Math.min(t + KEY_CACHE_MS, row?.expires_at ?? Infinity),
+	});
 	return principal;
 }
 

@@ -8,6 +8,7 @@ import { authenticate } from "./auth.ts";
 import { notFound, onError } from "./errors.ts";
 import { hosts } from "./hosts.ts";
 import { keys } from "./keys.ts";
+import { rateLimit } from "./limits.ts";
 import { projects } from "./projects.ts";
 import { rollouts } from "./rollouts.ts";
 import { sweep } from "./scheduled.ts";
@@ -21,7 +22,8 @@ const app = new Hono<AppEnv>();
 // Unauthenticated and does nothing: the runtime's floor, for benchmarks and probes.
 app.get("/healthz", (c) => c.text("ok"));
 
-app.use("/v1/*", authenticate);
+// Authentication first: the rate limit counts per key.
+app.use("/v1/*", authenticate, rateLimit);
 app.route("/v1/projects", projects);
 app.route("/v1/keys", keys);
 app.route("/v1/hosts", hosts);

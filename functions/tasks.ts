@@ -39,6 +39,7 @@ import {
 	sendPending,
 	takePending,
 } from "./edge-cache.ts";
+import { budgetsFor, quotaError } from "./budgets.ts";
 import { apiError, unwrap } from "./errors.ts";
 import { jsonBody, valid } from "./validate.ts";
 
@@ -227,6 +228,10 @@ tasks.post(
 				);
 			}
 		}
+		const scope = c.get("scope");
+		const budgets = await budgetsFor(c.env, scope.project);
+		const refused = await quotaError(c.env, scope.project, scope.task, budgets);
+		if (refused) throw apiError(403, "quota_exceeded", refused);
 		const steps = pathIds(req.calls, req.from);
 		const r = unwrap(
 			await c.get("graph").record(c.get("scope"), {
@@ -242,6 +247,7 @@ tasks.post(
 					snapshot: call.snapshot,
 				})),
 				inlineMaxBytes: Number(c.env.OUTPUT_INLINE_MAX_BYTES),
+				budgets,
 			}),
 		);
 		// The graph computes the final state the same way; say so if it ever does not.

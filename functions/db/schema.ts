@@ -34,6 +34,11 @@ export const apiKeys = sqliteTable(
 		hash: text("hash").notNull().unique(),
 		createdAt: integer("created_at").notNull(),
 		revokedAt: integer("revoked_at"),
+		/**
+		 * A rotated key's end of grace (ms since the epoch): it stops working
+		 * then without being revoked. Null: no expiry.
+		 */
+		expiresAt: integer("expires_at"),
 	},
 	(t) => [index("api_keys_project").on(t.projectId)],
 );
