@@ -2,7 +2,9 @@
  * A local Trellis stack: `wrangler dev` with local D1, R2 and Durable
  * Objects persisted to a directory, migrated, with a `dev` project and a
  * trainer key and a host key ready to use. The CLI's `dev` command and the
- * Node tests both start it through {@link startLocalStack}.
+ * Node tests both start it through {@link startLocalStack}; the CLI, the
+ * demo and the end-to-end benchmark start a container host beside it with
+ * {@link startLocalHost}.
  */
 import { spawn, type ChildProcess } from "node:child_process";
 import { randomBytes } from "node:crypto";
@@ -12,6 +14,8 @@ import { createServer } from "node:net";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { TrellisClient, TrellisError } from "../client/http.ts";
+import type { Driver } from "../core/host-api.ts";
+import { createHost, type Host } from "../host/server.ts";
 
 /** The repository root, where `wrangler.toml` is. */
 export const REPO_ROOT = path.resolve(
@@ -327,4 +331,95 @@ export async function startLocalStack(
 		await stop();
 		throw err;
 	}
+}
+
+// ------------------------------------------------------------ local host
+
+/** The Docker image the docker driver's default template runs. */
+const DOCKER_BASE_IMAGE = "trellis-base:latest";
+
+/**
+ * Whether Docker sandboxes can run here: an engine answers (what `docker
+ * info` checks) and the base image is built. `why` says what is missing.
+ */
+export async function dockerStatus(
+	image = DOCKER_BASE_IMAGE,
+): Promise<{ ok: true } | { ok: false; why: string }> {
+	let engine;
+	try {
+		// Imported lazily: only the docker check needs the engine client.
+		const { DockerEngine } = await import("../host/drivers/docker.ts");
+		engine = new DockerEngine();
+	} catch (err) {
+		return { ok: false, why: `the docker driver did not load: ${err}` };
+	}
+	if (!(await engine.ping()))
+		return { ok: false, why: "no Docker engine answers" };
+	try {
+		await engine.inspectImage(image);
+		return { ok: true };
+	} catch {
+		return {
+			ok: false,
+			why: `the engine has no ${image} (build it with host/images/build.sh)`,
+		};
+	}
+}
+
+/** Options of {@link startLocalHost}. */
+export interface LocalHostOptions {
+	/** The Worker's origin. */
+	worker: string;
+	/** A `host` key of the project the host serves. */
+	key: string;
+	/**
+	 * The drivers to offer (default workspace and sqlite, and docker when
+	 * {@link dockerStatus} says it can run).
+	 */
+	drivers?: readonly Driver[];
+	/** Sandboxes at once (default 32: a GRPO group of 8 with warm pools fits twice). */
+	capacity?: number;
+	/** A name shown in the Worker's host list (default `local`). */
+	name?: string;
+	/** Where the host logs (default: nowhere). */
+	log?: (message: string) => void;
+}
+
+/** A container host started beside a local stack. */
+export interface LocalHost {
+	host: Host;
+	url: string;
+	id: string;
+	/** The drivers the host offers. */
+	drivers: readonly Driver[];
+	/** Why docker is not among them, when it is not (null when it is, or was not asked for). */
+	dockerMissing: string | null;
+}
+
+/**
+ * Starts a container host on loopback and registers it with the Worker.
+ * Its sandboxes live in a temporary directory removed by `host.stop()`.
+ */
+export async function startLocalHost(
+	options: LocalHostOptions,
+): Promise<LocalHost> {
+	let drivers = options.drivers;
+	let dockerMissing: string | null = null;
+	if (!drivers) {
+		const docker = await dockerStatus();
+		dockerMissing = docker.ok ? null : docker.why;
+		drivers = docker.ok
+			? ["workspace", "sqlite", "docker"]
+			: ["workspace", "sqlite"];
+	}
+	const host = createHost({
+		worker: options.worker,
+		key: options.key,
+		name: options.name ?? "local",
+		capacity: options.capacity ?? 32,
+		drivers,
+		log: options.log ?? (() => undefined),
+	});
+	const { url, id } = await host.start();
+	return { host, url, id, drivers: host.drivers, dockerMissing };
 }
