@@ -228,11 +228,20 @@ export function subtreesToEvict(
 	for (const [id, t] of order) {
 		if (nodes <= budgets.nodes && outputBytes <= budgets.outputBytes) break;
 		if (within(id)) continue;
-		// A subtree holding one already chosen would count it twice: skip it.
-		if ([...chosen].some((c) => isAncestor(g, id, c))) continue;
+		// It may hold subtrees chosen already: it takes them over, and only
+		// what it adds counts.
+		let count = t.count;
+		let bytes = t.outputBytes;
+		for (const c of [...chosen]) {
+			if (!isAncestor(g, id, c)) continue;
+			const inner = totals.get(c)!;
+			count -= inner.count;
+			bytes -= inner.outputBytes;
+			chosen.delete(c);
+		}
 		chosen.add(id);
-		nodes -= t.count;
-		outputBytes -= t.outputBytes;
+		nodes -= count;
+		outputBytes -= bytes;
 	}
 	return [...chosen];
 }

@@ -1,0 +1,400 @@
+/**
+ * Budgets, eviction and the cron sweep, each with the invariant it keeps
+ * (issue 4's faults 2, 4, 5, 7 and 10 among them).
+ */
+import { env } from "cloudflare:workers";
+import {
+	createExecutionContext,
+	createScheduledController,
+	runDurableObjectAlarm,
+	runInDurableObject,
+	waitOnExecutionContext,
+} from "cloudflare:test";
+import { beforeAll, describe, expect, it } from "vitest";
+import { advanceClock, now } from "../../core/clock.ts";
+import {
+	graphOf,
+	snapshotScores,
+	snapshotsToEvict,
+	subtreesToEvict,
+	type EvictionNode,
+} from "../../core/eviction.ts";
+import worker from "../../functions/index.ts";
+import { sweep } from "../../functions/scheduled.ts";
+import {
+	ROOT_ID,
+	ROOT_KEY,
+	api,
+	bash,
+	expectError,
+	project,
+	run,
+	taskApi,
+} from "./helpers.ts";
+
+const node = (
+	id: string,
+	parent: string | null,
+	over: Partial<EvictionNode> = {},
+): EvictionNode => ({
+	id,
+	parent,
+	depth: parent === null ? 0 : 1,
+	kind: parent === null ? "root" : "state",
+	execMs: 100,
+	hits: 0,
+	restores: 0,
+	lastUsedAt: 0,
+	outputBytes: 10,
+	snapshotBytes: null,
+	...over,
+});
+
+describe("eviction scores", () => {
+	const t = 1_000_000;
+	it("values a snapshot by the replay it saves, its use, its branches and its size", () => {
+		const g = graphOf([
+			node("r", null),
+			node("cheap", "r", { execMs: 10, snapshotBytes: 1000 }),
+			node("costly", "r", { execMs: 10_000, snapshotBytes: 1000 }),
+			node("big", "r", { execMs: 10_000, snapshotBytes: 10_000_000 }),
+			node("used", "r", {
+				execMs: 10,
+				snapshotBytes: 1000,
+				hits: 50,
+				lastUsedAt: t,
+			}),
+		]);
+		const s = snapshotScores(g, t);
+		expect(s.get("cheap")!).toBeLessThan(s.get("costly")!);
+		expect(s.get("big")!).toBeLessThan(s.get("costly")!);
+		expect(s.get("cheap")!).toBeLessThan(s.get("used")!);
+	});
+
+	it("evicts the least valuable snapshots first, never a pinned one, and stops within budget", () => {
+		const g = graphOf([
+			node("r", null),
+			node("a", "r", { execMs: 10, snapshotBytes: 100 }),
+			node("b", "r", { execMs: 20, snapshotBytes: 100 }),
+			node("c", "r", { execMs: 5000, snapshotBytes: 100 }),
+		]);
+		expect(
+			snapshotsToEvict(g, { snapshots: 1, snapshotBytes: 1e9 }, new Set(), t),
+		).toEqual(["a", "b"]);
+		expect(
+			snapshotsToEvict(
+				g,
+				{ snapshots: 1, snapshotBytes: 1e9 },
+				new Set(["a"]),
+				t,
+			),
+		).toEqual(["b", "c"]);
+		expect(
+			snapshotsToEvict(g, { snapshots: 3, snapshotBytes: 1e9 }, new Set(), t),
+		).toEqual([]);
+	});
+
+	it("removes whole subtrees, least value per byte first, keeping pinned paths and the root", () => {
+		const g = graphOf([
+			node("r", null),
+			node("hot", "r", { hits: 100, lastUsedAt: t }),
+			node("hot-child", "hot", { depth: 2, hits: 10, lastUsedAt: t }),
+			node("cold", "r"),
+			node("cold-child", "cold", { depth: 2 }),
+			node("pinned", "r"),
+		]);
+		expect(
+			subtreesToEvict(
+				g,
+				{ nodes: 4, outputBytes: 1e9 },
+				new Set(["pinned"]),
+				t,
+			),
+		).toEqual(["cold"]);
+		const all = subtreesToEvict(
+			g,
+			{ nodes: 1, outputBytes: 1e9 },
+			new Set(["pinned"]),
+			t,
+		);
+		expect(all.sort()).toEqual(["cold", "hot"]);
+	});
+});
+
+let keys: Awaited<ReturnType<typeof project>>;
+beforeAll(async () => {
+	keys = await project("evict");
+});
+
+const stub = (task: string) =>
+	env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`evict/${task}`));
+const setBudgets = (json: object) =>
+	api("PUT", "/v1/projects/evict/budgets", { key: keys.admin, json });
+const snap = (task: string, name: string, bytes: number) => ({
+	driver: "workspace",
+	key: `snapshots/evict/${task}/${name}`,
+	bytes,
+});
+
+/** Records `n` one-call branches from the root, each with a snapshot blob in R2. */
+async function branches(
+	task: string,
+	n: number,
+	execMs: (i: number) => number,
+) {
+	const t = taskApi(keys.trainer, task);
+	const states: string[] = [];
+	for (let i = 0; i < n; i++) {
+		const ref = snap(task, `s${i}`, 100);
+		await env.BLOBS.put(ref.key, "x".repeat(100));
+		const r = await t.record({
+			from: ROOT_ID,
+			calls: [
+				{ ...run(bash(`branch ${i}`), `out ${i}`, execMs(i)), snapshot: ref },
+			],
+		});
+		states.push(r.body.state);
+	}
+	return { t, states };
+}
+
+describe("budgets in a task graph", () => {
+	it("keeps a project's budget overrides, and only its admin may set them", async () => {
+		const r = await setBudgets({ snapshots: 50, nodes: 1000 });
+		expect(r.status).toBe(200);
+		expect(r.body).toMatchObject({ snapshots: 50, nodes: 1000 });
+		expect(r.body.outputBytes).toBe(Number(env.BUDGET_OUTPUT_BYTES));
+		expectError(
+			await api("PUT", "/v1/projects/evict/budgets", {
+				key: keys.trainer,
+				json: { nodes: 1 },
+			}),
+			403,
+			"forbidden",
+		);
+		expectError(await setBudgets({ nodes: 0 }), 400, "invalid_request");
+		expectError(await setBudgets({ nodes: "many" }), 400, "invalid_request");
+		const other = await project("evict-other");
+		expectError(
+			await api("PUT", "/v1/projects/evict/budgets", {
+				key: other.admin,
+				json: { nodes: 5 },
+			}),
+			404,
+			"project_not_found",
+		);
+		expect(
+			(await api("GET", "/v1/projects/evict/budgets", { key: ROOT_KEY })).body
+				.snapshots,
+		).toBe(50);
+	});
+
+	it("evicts the least valuable snapshots past the budget, keeping outputs and deleting blobs", async () => {
+		await setBudgets({ snapshots: 2, nodes: 1000 });
+		const { t, states } = await branches(
+			"snapbudget",
+			4,
+			(i) => [10, 5000, 20, 9000][i],
+		);
+		// Each record over budget arms the alarm at once; make sure it has run.
+		await runDurableObjectAlarm(stub("snapbudget"));
+		const stats = (await t.stats()).body;
+		expect(stats.snapshots).toBe(2);
+		expect(stats.evictions.snapshot_budget).toEqual({ count: 2, bytes: 200 });
+		const g = (await t.graph()).body.nodes;
+		const kept = g
+			.filter((n: { snapshot: unknown }) => n.snapshot !== null)
+			.map((n: { id: string }) => n.id);
+		expect(kept.sort()).toEqual([states[1], states[3]].sort());
+		// Outputs stay valid forever: every branch still hits.
+		for (let i = 0; i < 4; i++) {
+			expect(
+				(await t.lookup({ history: [], call: bash(`branch ${i}`) })).body
+					.output,
+			).toBe(`out ${i}`);
+		}
+		expect(await env.BLOBS.head("snapshots/evict/snapbudget/s0")).toBeNull();
+		expect(
+			await env.BLOBS.head("snapshots/evict/snapbudget/s1"),
+		).not.toBeNull();
+		// The graph export shows the scores it decided by.
+		const scored = g.filter((n: { kind: string }) => n.kind !== "root");
+		for (const n of scored) expect(typeof n.score).toBe("number");
+	});
+
+	it("never evicts a leased snapshot, and evicts it once the lease expires (faults 4 and 10)", async () => {
+		await setBudgets({ snapshots: 100, nodes: 1000 });
+		const { t, states } = await branches("leased", 2, () => 100);
+		const lease = await t.lease({ state: states[0], ttlMs: 1000 });
+		const none = (await setBudgets({ snapshots: 0 })).body;
+		// The restore is under way (the lease is held) when eviction runs.
+		expect((await stub("leased").enforce(none)).snapshots).toBe(1);
+		let g = (await t.graph()).body.nodes;
+		expect(
+			g.find((n: { id: string }) => n.id === states[0]).snapshot,
+		).not.toBeNull();
+		expect(
+			g.find((n: { id: string }) => n.id === states[1]).snapshot,
+		).toBeNull();
+		expect(await env.BLOBS.head("snapshots/evict/leased/s0")).not.toBeNull();
+
+		// The client died holding it: the lease expires through the alarm.
+		advanceClock(1001);
+		expect((await stub("leased").enforce(none)).snapshots).toBe(1);
+		g = (await t.graph()).body.nodes;
+		expect(
+			g.filter((n: { snapshot: unknown }) => n.snapshot !== null),
+		).toHaveLength(0);
+		expectError(await t.renew(lease.body.id), 409, "lease_expired");
+	});
+
+	it("removes whole subtrees past the node budget; a stale cursor is 409 and the full history still works (fault 7)", async () => {
+		await setBudgets({ snapshots: 100, nodes: 4 });
+		const t = taskApi(keys.trainer, "nodes");
+		const hot = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("hot"), "h", 5000), run(bash("hot2"), "h2", 5000)],
+		});
+		for (let i = 0; i < 5; i++)
+			await t.lookup({ history: [], call: bash("hot") });
+		const cold = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("cold"), "c", 1), run(bash("cold2"), "c2", 1)],
+		});
+		await runDurableObjectAlarm(stub("nodes"));
+		const stats = (await t.stats()).body;
+		expect(stats.nodes).toBeLessThanOrEqual(4);
+		expect(stats.evictions.node_budget.count).toBeGreaterThanOrEqual(1);
+		expect(
+			(await t.lookup({ history: [bash("hot")], call: bash("hot2") })).body
+				.status,
+		).toBe("hit");
+		expectError(
+			await t.lookup({ cursor: cold.body.state, call: bash("x") }),
+			409,
+			"stale_cursor",
+		);
+		const full = await t.lookup({
+			history: [bash("cold"), bash("cold2")],
+			call: bash("x"),
+		});
+		expect(full.body).toMatchObject({ status: "miss", resume: ROOT_ID });
+		expect(
+			full.body.replay.map((c: { args: { cmd: string } }) => c.args.cmd),
+		).toEqual(["cold", "cold2"]);
+		expect(hot.body.state).not.toBe(cold.body.state);
+	});
+
+	it("gives the same end state when the eviction alarm runs twice (fault 5)", async () => {
+		await setBudgets({ snapshots: 1, nodes: 1000 });
+		const { t } = await branches("twice", 3, (i) => i * 100 + 1);
+		await runDurableObjectAlarm(stub("twice"));
+		const once = {
+			stats: (await t.stats()).body,
+			graph: (await t.graph()).body,
+		};
+		await runInDurableObject(stub("twice"), (g) => g.alarm());
+		expect({
+			stats: (await t.stats()).body,
+			graph: (await t.graph()).body,
+		}).toEqual(once);
+	});
+});
+
+describe("the cron sweep", () => {
+	async function runCron() {
+		const ctx = createExecutionContext();
+		const controller = createScheduledController({
+			scheduledTime: now(),
+			cron: "*/5 * * * *",
+		});
+		await worker.scheduled(controller, env, ctx);
+		await waitOnExecutionContext(ctx);
+	}
+
+	it("deletes blobs no node points at after the grace period, and keeps those in use (fault 2)", async () => {
+		await setBudgets({ snapshots: 100, nodes: 1000 });
+		const t = taskApi(keys.trainer, "orphans");
+		const used = snap("orphans", "used", 3);
+		await env.BLOBS.put(used.key, "abc");
+		await t.record({
+			from: ROOT_ID,
+			calls: [{ ...run(bash("a"), "1"), snapshot: used }],
+		});
+		// A host uploaded, then crashed before recording.
+		const up = await api(
+			"PUT",
+			`/v1/tasks/orphans/snapshots/${"f".repeat(64)}?driver=workspace`,
+			{ key: keys.host, body: "lost" },
+		);
+		expect(up.status).toBe(201);
+		advanceClock(3000);
+		await runDurableObjectAlarm(stub("orphans"));
+
+		await runCron();
+		expect(await env.BLOBS.head(up.body.key)).not.toBeNull();
+		advanceClock(Number(env.ORPHAN_GRACE_MS) + 1);
+		await runCron();
+		expect(await env.BLOBS.head(up.body.key)).toBeNull();
+		expect(await env.BLOBS.head(used.key)).not.toBeNull();
+		expect((await t.stats()).body.evictions.orphan).toEqual({
+			count: 1,
+			bytes: 4,
+		});
+	});
+
+	it("deletes a task idle past the TTL with its blobs, and is safe to run twice at once", async () => {
+		const t = taskApi(keys.trainer, "idle");
+		const big = "z".repeat(5000);
+		await t.record({ from: ROOT_ID, calls: [run(bash("a"), big)] });
+		advanceClock(3000);
+		await runDurableObjectAlarm(stub("idle"));
+		expect(
+			(await env.BLOBS.list({ prefix: "outputs/evict/idle/" })).objects,
+		).toHaveLength(1);
+
+		advanceClock(Number(env.IDLE_TASK_TTL_MS) + 1);
+		const [a, b] = await Promise.all([sweep(env, now()), sweep(env, now())]);
+		expect(a.deleted + b.deleted).toBeGreaterThanOrEqual(1);
+		expectError(await t.stats(), 404, "task_not_found");
+		expect(
+			(await env.BLOBS.list({ prefix: "outputs/evict/idle/" })).objects,
+		).toHaveLength(0);
+		const listed = await api("GET", "/v1/tasks", { key: keys.trainer });
+		expect(
+			listed.body.tasks.map((x: { task: string }) => x.task),
+		).not.toContain("idle");
+		// A deleted task starts over cleanly.
+		expect((await t.lookup({ history: [], call: bash("a") })).body.status).toBe(
+			"miss",
+		);
+	});
+});
+
+describe("project quotas", () => {
+	it("refuses a new task past the project's task quota with 403, writing nothing", async () => {
+		const p = await project("quota");
+		await api("PUT", "/v1/projects/quota/budgets", {
+			key: p.admin,
+			json: { tasks: 1 },
+		});
+		const first = taskApi(p.trainer, "one");
+		await first.record({ from: ROOT_ID, calls: [run(bash("a"), "1")] });
+		advanceClock(3000);
+		await runDurableObjectAlarm(
+			env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName("quota/one")),
+		);
+		advanceClock(11_000);
+		const second = taskApi(p.trainer, "two");
+		expectError(
+			await second.record({ from: ROOT_ID, calls: [run(bash("a"), "1")] }),
+			403,
+			"quota_exceeded",
+		);
+		expectError(await second.stats(), 404, "task_not_found");
+		expect(
+			(await first.record({ from: ROOT_ID, calls: [run(bash("b"), "2")] }))
+				.status,
+		).toBe(200);
+	});
+});
