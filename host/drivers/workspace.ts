@@ -3,15 +3,30 @@
  * directory, and a call is a `bash -c` command run in it. Its state is the
  * directory's files; snapshots are gzipped tarballs of them.
  *
- * A workspace isolates state, not processes: commands run as this user and
- * can reach anything the user can. Use it for trusted commands, tests and
- * local runs; the container host's Docker driver is the security boundary.
+ * Isolation (`isolate`): with bubblewrap, a command sees its sandbox
+ * read-write at the fixed path {@link WORKSPACE_MOUNT}, the rest of the
+ * machine read-only, a private /tmp, and no network; without it, commands
+ * run as this user in the sandbox's real directory and can reach anything
+ * the user can. The fixed path matters to the cache as much as to safety:
+ * `pwd`, compiler messages and stack traces then read the same in every
+ * sandbox, so a replay in another sandbox is not a false conflict. Even
+ * isolated, a workspace shares the kernel and can read the host's files;
+ * the container host's Docker driver is the stronger boundary.
  *
  * This module stays free of HTTP: snapshots go out and come in as bytes, and
  * whoever holds a cache client (the executor, the host) moves them.
  */
 import { execFile, spawn } from "node:child_process";
-import { mkdir, mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
+import {
+	mkdir,
+	mkdtemp,
+	readFile,
+	readdir,
+	readlink,
+	realpath,
+	rm,
+	writeFile,
+} from "node:fs/promises";
 import { constants } from "node:os";
 import path from "node:path";
 import { promisify } from "node:util";
@@ -30,6 +45,15 @@ const run = promisify(execFile);
 /** The driver name recorded in snapshot refs. */
 export const WORKSPACE_DRIVER = "workspace";
 
+/** Where an isolated command sees its sandbox, and its working directory. */
+export const WORKSPACE_MOUNT = "/work";
+
+/** How commands are isolated: `auto` uses bubblewrap when it works here. */
+export type IsolateMode = "auto" | "bwrap" | "none";
+
+/** How a started sandbox's commands actually run. */
+export type Isolation = "bwrap" | "none";
+
 /** Options of a {@link WorkspaceSandbox}. */
 export interface WorkspaceOptions {
 	/** The directory sandboxes are created in (each gets its own subdirectory). */
@@ -44,6 +68,22 @@ export interface WorkspaceOptions {
 	tools?: readonly string[];
 	/** Whether a call changes state, when the caller does not say (default {@link defaultMutates}). */
 	mutates?: (call: Call) => boolean;
+	/**
+	 * Isolation with bubblewrap (see the module comment). `auto` falls back
+	 * to none, with one log line, where bubblewrap cannot run (user
+	 * namespaces forbidden); `bwrap` makes `start()` fail there instead.
+	 * Default `none` for now: the host and some tests have commands write
+	 * to absolute paths outside the sandbox without asking for a bind.
+	 */
+	isolate?: IsolateMode;
+	/** Absolute paths an isolated command may write, at the same path. */
+	binds?: readonly string[];
+	/** Whether an isolated command reaches the network (default false). */
+	network?: boolean;
+	/** The bubblewrap executable (default `bwrap` on the PATH). */
+	bwrap?: string;
+	/** Where the fallback to no isolation is reported (default `console.warn`). */
+	log?: (line: string) => void;
 }
 
 /** A shell command as a call carries it. */
@@ -171,6 +211,7 @@ export class WorkspaceSandbox implements Sandbox {
 	readonly driver = WORKSPACE_DRIVER;
 	readonly #options: WorkspaceOptions;
 	#dir: string | null = null;
+	#isolation: Isolation | null = null;
 	#stopped = false;
 	/** Process groups of running commands, killed by `stop()`. */
 	#running = new Set<number>();
@@ -186,12 +227,24 @@ export class WorkspaceSandbox implements Sandbox {
 		return this.#dir;
 	}
 
-	/** Creates the sandbox's empty directory under the root. */
+	/** Whether commands run under bubblewrap; only once started. */
+	get isolation(): Isolation {
+		if (this.#isolation === null)
+			throw new Error("the workspace is not started");
+		return this.#isolation;
+	}
+
+	/**
+	 * Decides the isolation (probing bubblewrap once per process) and
+	 * creates the sandbox's empty directory under the root.
+	 */
 	async start(): Promise<void> {
 		if (this.#stopped) throw new Error("the workspace is stopped");
 		if (this.#dir !== null) return;
+		const isolation = await resolveIsolation(this.#options);
 		await mkdir(this.#options.root, { recursive: true });
 		this.#dir = await mkdtemp(path.join(this.#options.root, "ws-"));
+		this.#isolation = isolation;
 	}
 
 	/**
@@ -207,6 +260,9 @@ export class WorkspaceSandbox implements Sandbox {
 			);
 		const command = commandOf(call);
 		const cwd = this.#inside(command.cwd ?? ".");
+		const isolated = this.isolation === "bwrap";
+		// Seen from inside: under bubblewrap the sandbox is at the fixed mount.
+		const home = isolated ? WORKSPACE_MOUNT : this.dir;
 		const timeoutMs = command.timeoutMs ?? this.#options.timeoutMs ?? 60_000;
 		const cap = this.#options.maxOutputBytes ?? 1 << 20;
 		const started = performance.now();
@@ -214,33 +270,48 @@ export class WorkspaceSandbox implements Sandbox {
 		// command's own shell: one pipe keeps the two in the order they were
 		// written, which two pipes merged here could not, and the cache needs
 		// the same output each time.
-		const child = spawn(
-			"bash",
-			["-c", 'exec bash -c "$1" 2>&1', "bash", command.cmd],
-			{
-				cwd,
-				env: {
-					PATH: process.env.PATH ?? "/usr/bin:/bin",
-					HOME: this.dir,
-					LANG: "C.UTF-8",
-					LC_ALL: "C.UTF-8",
-					TERM: "dumb",
-					TRELLIS_WORKSPACE: this.dir,
-					...this.#options.env,
-				},
-				stdio: ["ignore", "pipe", "ignore"],
-				detached: true,
+		const shell = ["bash", "-c", 'exec bash -c "$1" 2>&1', "bash", command.cmd];
+		const argv = isolated
+			? [
+					this.#options.bwrap ?? "bwrap",
+					...(await bwrapArgs(this.#options, this.dir)),
+					"--chdir",
+					path.posix.join(WORKSPACE_MOUNT, path.relative(this.dir, cwd)),
+					"--",
+					...shell,
+				]
+			: shell;
+		// Under bubblewrap the command's own stderr is already in stdout, so
+		// whatever reaches stderr is bubblewrap's: kept apart, and an error.
+		const child = spawn(argv[0]!, argv.slice(1), {
+			cwd,
+			env: {
+				PATH: process.env.PATH ?? "/usr/bin:/bin",
+				HOME: home,
+				LANG: "C.UTF-8",
+				LC_ALL: "C.UTF-8",
+				TERM: "dumb",
+				TRELLIS_WORKSPACE: home,
+				...this.#options.env,
 			},
-		);
+			stdio: ["ignore", "pipe", isolated ? "pipe" : "ignore"],
+			detached: true,
+		});
 		const pgid = child.pid;
 		if (pgid !== undefined) this.#running.add(pgid);
-		const drained = new Promise((resolve) =>
-			child.stdout.once("close", resolve),
+		// Piped above, so never null; the types cannot tell from a variable stdio.
+		const stdout = child.stdout!;
+		const drained = Promise.all(
+			[stdout, child.stderr].map(
+				(s) => s && new Promise((resolve) => s.once("close", resolve)),
+			),
 		);
+		const complaints: Buffer[] = [];
+		child.stderr?.on("data", (chunk: Buffer) => complaints.push(chunk));
 		const chunks: Buffer[] = [];
 		let kept = 0;
 		let dropped = 0;
-		child.stdout.on("data", (chunk: Buffer) => {
+		stdout.on("data", (chunk: Buffer) => {
 			const room = cap - kept;
 			if (room > 0) {
 				chunks.push(chunk.subarray(0, room));
@@ -266,6 +337,11 @@ export class WorkspaceSandbox implements Sandbox {
 		}).finally(() => clearTimeout(timer));
 		await drained;
 		if (pgid !== undefined) this.#running.delete(pgid);
+		const complaint = Buffer.concat(complaints).toString("utf8").trim();
+		if (complaint !== "" && code !== 0 && !timedOut)
+			// bubblewrap could not set the sandbox up, so the command never
+			// ran: an output to cache would be a lie.
+			throw new Error(`bubblewrap failed: ${complaint}`);
 		let output = Buffer.concat(chunks).toString("utf8");
 		if (dropped > 0) output += `\n[output truncated: ${dropped} more bytes]\n`;
 		if (timedOut) output += `\n[timed out after ${timeoutMs} ms]\n`;
@@ -340,6 +416,7 @@ export class WorkspaceSandbox implements Sandbox {
 		this.#running.clear();
 		const dir = this.#dir;
 		this.#dir = null;
+		this.#isolation = null;
 		if (dir !== null) await rm(dir, { recursive: true, force: true });
 	}
 
@@ -366,6 +443,134 @@ function killGroup(pgid: number | undefined): void {
 	} catch {
 		// Already gone.
 	}
+}
+
+/** What probing bubblewrap found: usable, or why not. */
+export type BwrapProbe = { usable: true } | { usable: false; reason: string };
+
+const probes = new Map<string, Promise<BwrapProbe>>();
+const warned = new Set<string>();
+
+/**
+ * Whether bubblewrap runs here with the mounts and namespaces a sandbox
+ * uses, by running `true` under it once per executable per process: it may
+ * be installed and still fail where user namespaces are forbidden (some
+ * containers and hardened kernels).
+ */
+export function probeBwrap(bwrap = "bwrap"): Promise<BwrapProbe> {
+	let probe = probes.get(bwrap);
+	if (!probe) {
+		probe = (async (): Promise<BwrapProbe> => {
+			try {
+				const mounts = await bwrapArgs({ root: "/" }, null);
+				await run(bwrap, [...mounts, "--", "true"], { timeout: 10_000 });
+				return { usable: true };
+			} catch (err) {
+				const e = err as { stderr?: string; message?: string };
+				const reason = (e.stderr || e.message || String(err)).trim();
+				return { usable: false, reason };
+			}
+		})();
+		probes.set(bwrap, probe);
+	}
+	return probe;
+}
+
+/**
+ * How sandboxes with these options run their commands; see
+ * {@link WorkspaceOptions.isolate}. The host can show it in its health.
+ */
+export async function resolveIsolation(
+	options: Pick<WorkspaceOptions, "isolate" | "bwrap" | "log">,
+): Promise<Isolation> {
+	const mode = options.isolate ?? "none";
+	if (mode === "none") return "none";
+	const bwrap = options.bwrap ?? "bwrap";
+	const probe = await probeBwrap(bwrap);
+	if (probe.usable) return "bwrap";
+	if (mode === "bwrap")
+		throw new Error(`bubblewrap (${bwrap}) cannot run here: ${probe.reason}`);
+	if (!warned.has(bwrap)) {
+		warned.add(bwrap);
+		(options.log ?? console.warn)(
+			`workspace: bubblewrap (${bwrap}) cannot run here, so commands run ` +
+				`without isolation: ${probe.reason}`,
+		);
+	}
+	return "none";
+}
+
+/** bwrap's arguments for the host's top-level entries, read once. */
+let topLevel: Promise<{ args: string[]; bound: Set<string> }> | null = null;
+
+/**
+ * The machine read-only, one top-level entry at a time rather than
+ * `--ro-bind / /`: the fixed mount may not exist on the host, and a
+ * read-only root leaves nowhere to create it. Symlinks (`/bin -> usr/bin`)
+ * are recreated as symlinks. /proc, /dev and /tmp get fresh ones.
+ */
+function hostEntries(): Promise<{ args: string[]; bound: Set<string> }> {
+	topLevel ??= (async () => {
+		const skip = new Set(["proc", "dev", "tmp", WORKSPACE_MOUNT.slice(1)]);
+		const args: string[] = [];
+		const bound = new Set<string>();
+		for (const entry of await readdir("/", { withFileTypes: true })) {
+			if (skip.has(entry.name)) continue;
+			const where = `/${entry.name}`;
+			if (entry.isSymbolicLink())
+				args.push("--symlink", await readlink(where), where);
+			else {
+				args.push("--ro-bind", where, where);
+				bound.add(entry.name);
+			}
+		}
+		return { args, bound };
+	})();
+	return topLevel;
+}
+
+/**
+ * bwrap's options for a sandbox at `dir` (or, for the probe, none): every
+ * namespace unshared (the network too unless asked), the host read-only,
+ * the sandbox read-write at {@link WORKSPACE_MOUNT}, then the caller's
+ * binds. Order matters: later mounts land on top of earlier ones.
+ */
+async function bwrapArgs(
+	options: Pick<WorkspaceOptions, "root" | "binds" | "network">,
+	dir: string | null,
+): Promise<string[]> {
+	const host = await hostEntries();
+	const args = [
+		"--unshare-all",
+		...(options.network ? ["--share-net"] : []),
+		// The sandbox dies with its host process; a new session keeps a
+		// command from pushing keystrokes into the host's terminal.
+		"--die-with-parent",
+		"--new-session",
+		...host.args,
+		"--proc",
+		"/proc",
+		"--dev",
+		"/dev",
+		"--tmpfs",
+		"/tmp",
+	];
+	if (dir === null) return [...args, "--tmpfs", WORKSPACE_MOUNT];
+	// Sibling sandboxes would be readable through the read-only host where
+	// the root is under a bound entry: cover the root with an empty tmpfs,
+	// before the sandbox's bind so its mount point is made in the tmpfs.
+	const root = await realpath(options.root);
+	if (host.bound.has(root.split("/")[1] ?? "")) args.push("--tmpfs", root);
+	args.push("--bind", dir, WORKSPACE_MOUNT);
+	for (const bind of options.binds ?? []) {
+		if (!path.isAbsolute(bind))
+			throw new TypeError(`bind ${bind} is not an absolute path`);
+		const where = path.resolve(bind);
+		if (where === WORKSPACE_MOUNT || where.startsWith(WORKSPACE_MOUNT + "/"))
+			throw new TypeError(`bind ${bind} is inside ${WORKSPACE_MOUNT}`);
+		args.push("--bind", where, where);
+	}
+	return args;
 }
 
 /** A sandbox factory of workspaces under `options.root`, for the executor. */

@@ -1,15 +1,18 @@
 /**
  * The workspace driver on its own: real directories, real `bash`, real
- * tarballs. No cache is involved.
+ * tarballs, real bubblewrap. No cache is involved.
  */
+import { randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
-import { readdir } from "node:fs/promises";
+import { readFile, readdir } from "node:fs/promises";
+import { createServer, type AddressInfo } from "node:net";
 import path from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
 	WorkspaceSandbox,
 	defaultMutates,
 	looksReadOnly,
+	probeBwrap,
 	workspaceFactory,
 } from "../../host/drivers/workspace.ts";
 import { cleanTmp, tmp } from "./helpers.ts";
@@ -159,6 +162,194 @@ describe("WorkspaceSandbox", () => {
 		expect(existsSync(dir)).toBe(false);
 		await sb.stop(); // idempotent
 	});
+});
+
+// Where bubblewrap cannot run (user namespaces forbidden) the isolated tests
+// skip on a workstation; CI installs it, so a skip there would hide a break.
+const bwrap = await probeBwrap();
+const describeIsolated =
+	bwrap.usable || process.env.CI ? describe : describe.skip;
+
+describeIsolated("WorkspaceSandbox isolated with bubblewrap", () => {
+	const isolated = (options: Parameters<typeof started>[0] = {}) =>
+		started({ isolate: "bwrap", ...options });
+
+	it("runs every sandbox's commands at the same fixed path, so outputs naming it agree", async () => {
+		const [a, b] = await Promise.all([isolated(), isolated()]);
+		expect(a.isolation).toBe("bwrap");
+		expect(a.dir).not.toBe(b.dir);
+		const cmd = sh("pwd; echo $HOME $TRELLIS_WORKSPACE; echo err >&2; exit 7");
+		const [ra, rb] = await Promise.all([a.exec(cmd), b.exec(cmd)]);
+		expect(ra.output).toBe("/work\n/work /work\nerr\n");
+		expect(rb.output).toBe(ra.output);
+		expect(ra.exitCode).toBe(7);
+		await a.exec(sh("mkdir -p sub/dir"));
+		expect((await a.exec(sh("pwd", { cwd: "sub/dir" }))).output).toBe(
+			"/work/sub/dir\n",
+		);
+		await Promise.all([a.stop(), b.stop()]);
+	});
+
+	it("writes its own directory, where the host sees the files", async () => {
+		const sb = await isolated();
+		const r = await sb.exec(sh("echo hi > f && mkdir d && touch d/g"));
+		expect(r.exitCode).toBe(0);
+		expect(await readFile(path.join(sb.dir, "f"), "utf8")).toBe("hi\n");
+		expect(existsSync(path.join(sb.dir, "d/g"))).toBe(true);
+		await sb.stop();
+	});
+
+	it("cannot write the host's files, another directory or a sibling sandbox", async () => {
+		const sb = await isolated();
+		const sibling = await isolated();
+		const outside = await tmp("ws-outside");
+		const name = `trellis-${randomBytes(6).toString("hex")}`;
+		const r = await sb.exec(
+			sh(
+				[
+					`touch /etc/${name}`,
+					`touch ${outside}/x`,
+					`touch ${sibling.dir}/x`,
+					`touch ${root}/x`,
+				]
+					.map((c) => `${c} 2>/dev/null; echo $?`)
+					.join("; "),
+			),
+		);
+		expect(r.output).not.toMatch(/^0$/m);
+		expect(r.output.split("\n").filter(Boolean)).toHaveLength(4);
+		expect(existsSync(`/etc/${name}`)).toBe(false);
+		expect(existsSync(path.join(outside, "x"))).toBe(false);
+		expect(existsSync(path.join(sibling.dir, "x"))).toBe(false);
+		expect(existsSync(path.join(root, "x"))).toBe(false);
+		await Promise.all([sb.stop(), sibling.stop()]);
+	});
+
+	it("gives each command a private /tmp that neither the host nor the next command sees", async () => {
+		// /tmp is not in a snapshot, so state left there would not survive a
+		// restore: better that no command can rely on it.
+		const sb = await isolated();
+		const name = `trellis-${randomBytes(6).toString("hex")}`;
+		const r = await sb.exec(sh(`echo x > /tmp/${name} && cat /tmp/${name}`));
+		expect(r.output).toBe("x\n");
+		expect(existsSync(`/tmp/${name}`)).toBe(false);
+		const again = await sb.exec(sh(`test -e /tmp/${name}; echo $?`));
+		expect(again.output).toBe("1\n");
+		await sb.stop();
+	});
+
+	it("reaches no network, not even the host's loopback, unless asked", async () => {
+		const server = createServer((socket) => socket.end());
+		await new Promise<void>((resolve) =>
+			server.listen(0, "127.0.0.1", resolve),
+		);
+		const { port } = server.address() as AddressInfo;
+		const probe = sh(
+			`(exec 3<>/dev/tcp/127.0.0.1/${port}) 2>/dev/null && echo connected || echo unreachable`,
+		);
+		const off = await isolated();
+		const on = await isolated({ network: true });
+		expect((await off.exec(probe)).output).toBe("unreachable\n");
+		expect((await on.exec(probe)).output).toBe("connected\n");
+		await Promise.all([off.stop(), on.stop()]);
+		await new Promise((resolve) => server.close(resolve));
+	});
+
+	it("writes a path outside only when the caller binds it, as a log in the env needs", async () => {
+		const outside = await tmp("ws-log");
+		const log = path.join(outside, "ran.log");
+		const cmd = sh('echo ran >> "$LOG"');
+		const bound = await isolated({ env: { LOG: log }, binds: [outside] });
+		expect((await bound.exec(cmd)).exitCode).toBe(0);
+		expect(await readFile(log, "utf8")).toBe("ran\n");
+		const unbound = await isolated({ env: { LOG: log } });
+		expect((await unbound.exec(cmd)).exitCode).not.toBe(0);
+		expect(await readFile(log, "utf8")).toBe("ran\n");
+		await Promise.all([bound.stop(), unbound.stop()]);
+	});
+
+	it("refuses binds that are relative or inside the fixed path, and reports a bind bubblewrap cannot make", async () => {
+		const relative = await isolated({ binds: ["logs"] });
+		await expect(relative.exec(sh("true"))).rejects.toThrow(/not an absolute/);
+		const inside = await isolated({ binds: ["/work/x"] });
+		await expect(inside.exec(sh("true"))).rejects.toThrow(/inside \/work/);
+		const missing = await isolated({ binds: [path.join(root, "nope")] });
+		await expect(missing.exec(sh("echo ran"))).rejects.toThrow(
+			/bubblewrap failed/,
+		);
+		await Promise.all([relative.stop(), inside.stop(), missing.stop()]);
+	});
+
+	it("kills a timed-out command and its background children, and does not wait for jobs left behind", async () => {
+		const sb = await isolated({ timeoutMs: 300 });
+		const t0 = Date.now();
+		const r = await sb.exec(sh("sleep 30 & sleep 30; echo never"));
+		expect(r.exitCode).toBe(124);
+		expect(r.output).not.toContain("never");
+		const left = await sb.exec(
+			sh("sleep 30 & echo done", { timeoutMs: 20_000 }),
+		);
+		expect(left).toMatchObject({ output: "done\n", exitCode: 0 });
+		expect(Date.now() - t0).toBeLessThan(5000);
+		await sb.stop();
+	});
+
+	it("forks, snapshots and restores isolated sandboxes", async () => {
+		const sb = await isolated();
+		await sb.exec(sh("echo base > f.txt && ln -s f.txt link"));
+		const twin = await sb.fork();
+		expect(twin.isolation).toBe("bwrap");
+		await twin.exec(sh("echo twin > f.txt"));
+		expect((await sb.exec(sh("cat link"))).output).toBe("base\n");
+		expect((await twin.exec(sh("cat link; pwd"))).output).toBe("twin\n/work\n");
+		const snap = await twin.snapshot();
+		const other = await isolated();
+		await other.restore({
+			ref: { driver: "workspace", key: "k", bytes: snap.data.length },
+			read: async () => snap.data,
+		});
+		expect((await other.exec(sh("cat link; ls"))).output).toBe(
+			"twin\nf.txt\nlink\n",
+		);
+		await Promise.all([sb.stop(), twin.stop(), other.stop()]);
+	});
+});
+
+describe("choosing the workspace's isolation", () => {
+	it("runs without isolation by default, in the sandbox's real directory", async () => {
+		const sb = await started();
+		expect(sb.isolation).toBe("none");
+		expect((await sb.exec(sh("pwd"))).output).toBe(`${sb.dir}\n`);
+		await sb.stop();
+	});
+
+	it("falls back to none under auto, saying so once, where bubblewrap cannot run; refuses to start when bwrap is required", async () => {
+		const lines: string[] = [];
+		const options = {
+			isolate: "auto" as const,
+			bwrap: path.join(root, "no-such-bwrap"),
+			log: (line: string) => lines.push(line),
+		};
+		const a = await started(options);
+		const b = await started(options);
+		expect([a.isolation, b.isolation]).toEqual(["none", "none"]);
+		expect(lines).toHaveLength(1);
+		expect(lines[0]).toMatch(/without isolation/);
+		await expect(started({ ...options, isolate: "bwrap" })).rejects.toThrow(
+			/cannot run here/,
+		);
+		await Promise.all([a.stop(), b.stop()]);
+	});
+
+	it.runIf(bwrap.usable)(
+		"isolates under auto where bubblewrap runs",
+		async () => {
+			const sb = await started({ isolate: "auto" });
+			expect(sb.isolation).toBe("bwrap");
+			expect((await sb.exec(sh("pwd"))).output).toBe("/work\n");
+			await sb.stop();
+		},
+	);
 });
 
 describe("which workspace calls change state", () => {
