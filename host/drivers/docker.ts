@@ -750,8 +750,8 @@ class DockerContext {
 				ExitCode: number | null;
 			}>("GET", `/exec/${execId}/json`);
 			if (!info.Running && info.ExitCode !== null) return info.ExitCode;
-			if (i >= 200)
-				throw new Error(`docker: exec ${execId} has no exit code after 2 s`);
+			if (i >= 1000)
+				throw new Error(`docker: exec ${execId} has no exit code after 10 s`);
 			await new Promise((resolve) => setTimeout(resolve, 10));
 		}
 	}
