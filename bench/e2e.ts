@@ -8,8 +8,9 @@
  *    sandbox of the same driver the container host uses (loaded in this
  *    process through `host/registry.ts`), one sandbox per rollout, the
  *    rollouts of a group at once. A call's time is its wall time around the
- *    driver's exec; starting the rollout's sandbox is not counted in any
- *    call (it is reported apart), which favours the baseline.
+ *    driver's exec; the rollout's first call also waits for its sandbox to
+ *    start, as a miss with Trellis does (start latencies are also reported
+ *    apart).
  * 2. With Trellis: the same calls, in the same groups and order, as managed
  *    rollouts through the Worker (`wrangler dev`) to a container host on
  *    loopback, from an empty cache (fresh task names). A call's time is the
@@ -32,7 +33,7 @@
  *        dev restarts the Worker whenever a source changes, which in a tree
  *        someone is editing lands mid-run)
  */
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import {
 	mkdirSync,
 	mkdtempSync,
@@ -43,12 +44,14 @@ import {
 import { cpus, loadavg, tmpdir, totalmem } from "node:os";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
+import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
 import { TrellisClient } from "../client/http.ts";
 import type { Sandbox } from "../client/sandbox.ts";
 import type { GraphNode, TaskStats } from "../core/api.ts";
 import type { Driver } from "../core/host-api.ts";
 import { loadDrivers, type HostDriver } from "../host/registry.ts";
+import type { Host } from "../host/server.ts";
 import {
 	dockerStatus,
 	REPO_ROOT,
@@ -84,6 +87,8 @@ const { values } = parseArgs({
 		out: { type: "string" },
 		verbose: { type: "boolean", default: false },
 		snapshot: { type: "boolean", default: false },
+		// Internal: this file run as the container host's own process.
+		"child-host": { type: "string" },
 	},
 });
 
@@ -146,7 +151,7 @@ interface DirectCall {
 /** What running a workload without Trellis gave. */
 interface DirectRun {
 	calls: DirectCall[];
-	/** Sandbox starts, one per rollout (not counted in call times). */
+	/** Sandbox starts, one per rollout (counted in its first call). */
 	startMs: number[];
 	wallMs: number;
 	/** One snapshot and restore of a sandbox at the end of a rollout. */
@@ -172,16 +177,20 @@ async function runDirect(
 	for (const [gi, g] of w.groups.entries()) {
 		await Promise.all(
 			g.rollouts.map(async (rollout, r) => {
+				// The sandbox starts when the first call needs it, and that call
+				// waits for it: the same accounting as a miss with Trellis,
+				// whose time includes getting its sandbox.
 				const s0 = performance.now();
 				const sandbox: Sandbox = await factory.start();
-				startMs.push(performance.now() - s0);
+				const started = performance.now() - s0;
+				startMs.push(started);
 				try {
-					for (const call of rollout) {
+					for (const [i, call] of rollout.entries()) {
 						const c0 = performance.now();
 						const res = await driver.exec(sandbox, call, limits);
 						calls.push({
 							epoch: g.epoch,
-							ms: performance.now() - c0,
+							ms: performance.now() - c0 + (i === 0 ? started : 0),
 							exitCode: res.exitCode,
 						});
 						tick();
@@ -357,7 +366,7 @@ function summarize(
 	managed: ManagedCall[],
 	wallMs: number,
 	graph: GraphFigures,
-	host: ReturnType<import("../host/server.ts").Host["health"]>,
+	host: Health,
 ): WorkloadResult {
 	const hits = managed.filter((c) => c.hit && !c.coalesced).length;
 	const coalesced = managed.filter((c) => c.coalesced).length;
@@ -526,6 +535,103 @@ function markdown(results: WorkloadResult[]): string {
 	return lines.join("\n");
 }
 
+// ------------------------------------------------------------ child host
+
+type Health = ReturnType<Host["health"]>;
+type ChildMessage =
+	| { ready: { url: string; id: string } }
+	| { health: Health }
+	| { error: string };
+
+/**
+ * Starts the container host in its own process, as it runs in a real
+ * deployment: its work (docker streams, snapshots, JSON) then does not
+ * delay the trainer's requests in this process's event loop. It answers
+ * `health` over IPC.
+ */
+async function spawnHost(o: {
+	worker: string;
+	key: string;
+	drivers: Driver[];
+	name: string;
+}): Promise<{ health(): Promise<Health>; stop(): Promise<void> }> {
+	const child = spawn(
+		path.join(REPO_ROOT, "node_modules", ".bin", "tsx"),
+		[fileURLToPath(import.meta.url), "--child-host", JSON.stringify(o)],
+		{ stdio: ["ignore", "inherit", "inherit", "ipc"] },
+	);
+	const next = (ms: number) =>
+		new Promise<ChildMessage>((resolve, reject) => {
+			const timer = setTimeout(
+				() => reject(new Error("the host process did not answer")),
+				ms,
+			);
+			child.once("message", (m) => {
+				clearTimeout(timer);
+				resolve(m as ChildMessage);
+			});
+			child.once("exit", (code) =>
+				reject(new Error(`the host process exited (${code})`)),
+			);
+		});
+	const exited = new Promise<void>((resolve) =>
+		child.once("exit", () => resolve()),
+	);
+	const kill = () => {
+		if (child.exitCode === null && child.signalCode === null)
+			child.kill("SIGKILL");
+	};
+	try {
+		const first = await next(60_000);
+		if ("error" in first) throw new Error(`host: ${first.error}`);
+	} catch (err) {
+		kill();
+		throw err;
+	}
+	return {
+		async health() {
+			child.send("health");
+			const m = await next(10_000);
+			if (!("health" in m)) throw new Error("host: no health");
+			return m.health;
+		},
+		async stop() {
+			child.send("stop");
+			// Bounded: a host that does not stop in time is killed.
+			const timer = setTimeout(kill, 30_000);
+			await exited;
+			clearTimeout(timer);
+		},
+	};
+}
+
+/** The child side of {@link spawnHost}. */
+async function childHost(spec: string): Promise<void> {
+	const o = JSON.parse(spec) as Parameters<typeof spawnHost>[0];
+	const send = (m: ChildMessage) => process.send?.(m);
+	let local;
+	try {
+		local = await startLocalHost({
+			...o,
+			log: values.verbose ? log : undefined,
+		});
+	} catch (err) {
+		send({ error: String(err) });
+		process.exit(1);
+	}
+	const stop = async () => {
+		await local.host.stop();
+		process.exit(0);
+	};
+	process.on("message", (m) => {
+		if (m === "health") send({ health: local.host.health() });
+		else if (m === "stop") void stop();
+	});
+	// The parent died: stop the sandboxes rather than leave them behind.
+	process.on("disconnect", () => void stop());
+	send({ ready: { url: local.url, id: local.id } });
+}
+
 // ------------------------------------------------------------------- main
 
 async function main(): Promise<void> {
@@ -617,12 +723,11 @@ async function main(): Promise<void> {
 				.key;
 			const hostKey = (await admin.createKey({ role: "host", project })).key;
 			const client = new TrellisClient({ url: stack.url, key: trainerKey });
-			const local = await startLocalHost({
+			const host = await spawnHost({
 				worker: stack.url,
 				key: hostKey,
 				drivers: [w.template.driver],
 				name: `e2e-${kind}`,
-				log: values.verbose ? log : undefined,
 			});
 			try {
 				const driver = direct.drivers.get(w.template.driver)!;
@@ -652,14 +757,14 @@ async function main(): Promise<void> {
 					managed,
 					wallMs,
 					graph,
-					local.host.health(),
+					await host.health(),
 				);
 				results.push(r);
 				log(
 					`${kind}: hit rate ${pct(r.hitRate)}, median ${msf(r.without.medianMs)} → ${msf(r.with.medianMs)} (${r.speedup.median.toFixed(1)}×)`,
 				);
 			} finally {
-				await local.host.stop();
+				await host.stop();
 			}
 		}
 		for (const d of direct.drivers.values()) await d.stop?.();
@@ -697,7 +802,9 @@ async function main(): Promise<void> {
 	log(`\nwrote ${path.relative(process.cwd(), OUT)} (${report.durationS} s)`);
 }
 
-main().catch((err: unknown) => {
-	console.error(err instanceof Error ? (err.stack ?? err.message) : err);
-	process.exitCode = 1;
-});
+(values["child-host"] ? childHost(values["child-host"]) : main()).catch(
+	(err: unknown) => {
+		console.error(err instanceof Error ? (err.stack ?? err.message) : err);
+		process.exitCode = 1;
+	},
+);

@@ -1,8 +1,10 @@
 /**
  * The `trellis` command line.
  *
- *   trellis dev [--port N] [--persist-to DIR] [--verbose]
- *       a local stack (wrangler dev + D1 + R2 + Durable Objects) until Ctrl-C
+ *   trellis dev [--port N] [--persist-to DIR] [--verbose] [--no-host]
+ *       a local stack (wrangler dev + D1 + R2 + Durable Objects) and a
+ *       container host beside it, until Ctrl-C
+ *   trellis demo [--local] [...]             a GRPO-like demo (bin/demo.ts)
  *   trellis stats <task>                     a task's counters, as JSON
  *   trellis keys create --role R [--project P] [--name N]
  *
@@ -16,10 +18,17 @@ import path from "node:path";
 import { parseArgs } from "node:util";
 import { TrellisClient, TrellisError } from "../client/http.ts";
 import { Role } from "../core/api.ts";
-import { REPO_ROOT, startLocalStack } from "./local-stack.ts";
+import { runDemo } from "./demo.ts";
+import {
+	REPO_ROOT,
+	startLocalHost,
+	startLocalStack,
+	type LocalHost,
+} from "./local-stack.ts";
 
 const USAGE = `usage:
-  trellis dev [--port N] [--persist-to DIR] [--verbose]
+  trellis dev [--port N] [--persist-to DIR] [--verbose] [--no-host]
+  trellis demo [--local] [--workload terminal|sql|rpc] [--tasks N] [--group N] [--epochs N]
   trellis stats <task>
   trellis keys create --role trainer|host|admin [--project P] [--name N]`;
 
@@ -39,6 +48,7 @@ async function dev(argv: string[]): Promise<void> {
 			port: { type: "string" },
 			"persist-to": { type: "string" },
 			verbose: { type: "boolean", default: false },
+			"no-host": { type: "boolean", default: false },
 		},
 	});
 	const port = values.port
@@ -48,9 +58,19 @@ async function dev(argv: string[]): Promise<void> {
 			: undefined;
 	// Listen before starting: Ctrl-C during the start must still stop the
 	// stack (wrangler runs in its own process group and does not see it).
+	// The handlers stay installed while stopping: a terminal's Ctrl-C can
+	// arrive twice (to the group, and relayed by tsx's parent process), and
+	// with no handler left the second would kill us before the stack stops.
+	// A third signal gives up on stopping cleanly.
+	let signals = 0;
 	const interrupted = new Promise<void>((resolve) => {
-		process.once("SIGINT", resolve);
-		process.once("SIGTERM", resolve);
+		const onSignal = () => {
+			signals++;
+			if (signals >= 3) process.exit(130);
+			resolve();
+		};
+		process.on("SIGINT", onSignal);
+		process.on("SIGTERM", onSignal);
 	});
 	console.log("Starting the local stack (wrangler dev)...");
 	const stack = await startLocalStack({
@@ -58,6 +78,22 @@ async function dev(argv: string[]): Promise<void> {
 		persistTo: values["persist-to"],
 		quiet: !values.verbose,
 	});
+	let local: LocalHost | null = null;
+	if (!values["no-host"]) {
+		try {
+			// Managed rollouts need a host: one on loopback, registered with
+			// the dev project's host key, like `tsx bin/host.ts` would.
+			local = await startLocalHost({
+				worker: stack.url,
+				key: stack.hostKey,
+				name: "local",
+				log: (m) => process.stderr.write(`[host] ${m}\n`),
+			});
+		} catch (err) {
+			await stack.stop();
+			throw err;
+		}
+	}
 	const body = JSON.stringify({
 		call: { tool: "bash", args: { cmd: "ls" } },
 		history: [],
@@ -70,17 +106,35 @@ Trellis is running at ${stack.url}
 export TRELLIS_URL=${stack.url}
 export TRELLIS_KEY=${stack.trainerKey}
 export TRELLIS_HOST_KEY=${stack.hostKey}
-
+${hostLines(local)}
 Try it:
   curl -s -X POST "$TRELLIS_URL/v1/tasks/demo/lookup" \\
     -H "authorization: Bearer $TRELLIS_KEY" \\
     -H "content-type: application/json" \\
     -d '${body}'
 
+Run the demo (a GRPO-like workload through the cache) in another terminal:
+  npm run demo
+
 Press Ctrl-C to stop.`);
 	await interrupted;
 	console.log("\nStopping...");
+	// The host first: it deregisters from the Worker on its way out.
+	await local?.host.stop();
 	await stack.stop();
+}
+
+/** What the dev command says about its container host. */
+function hostLines(local: LocalHost | null): string {
+	if (!local)
+		return "\nNo container host (--no-host): managed rollouts will get 503 no_host.\n";
+	const docker = local.dockerMissing
+		? `\n  docker       not offered: ${local.dockerMissing}`
+		: "";
+	return `
+A container host runs beside it at ${local.url}
+  drivers      ${local.drivers.join(", ")}${docker}
+`;
 }
 
 function envClient(fallbackKey?: () => string | undefined): TrellisClient {
@@ -131,6 +185,8 @@ async function main(): Promise<void> {
 	switch (command) {
 		case "dev":
 			return dev(rest);
+		case "demo":
+			return runDemo(rest);
 		case "stats":
 			return stats(rest);
 		case "keys":

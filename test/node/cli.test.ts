@@ -1,7 +1,8 @@
 /**
  * The local stack as a user meets it: `trellis dev` printing a key that
- * works, the `stats` and `keys` subcommands, restarts that keep state, and a
- * `stop()` that leaves no process behind.
+ * works and starting a container host beside the Worker, the `stats` and
+ * `keys` subcommands, restarts that keep state, and a `stop()` that leaves
+ * no process behind.
  */
 import { spawn, execFile } from "node:child_process";
 import path from "node:path";
@@ -27,7 +28,7 @@ function alive(pgid: number): boolean {
 }
 
 describe("trellis dev", () => {
-	it("prints a URL and a trainer key that work, and stops everything on Ctrl-C", async () => {
+	it("prints a URL and a trainer key that work, starts a registered container host, and stops everything on Ctrl-C", async () => {
 		const persist = await tmp("cli-state");
 		const port = await freePort();
 		const child = spawn(
@@ -71,6 +72,36 @@ describe("trellis dev", () => {
 				output: "a\n",
 			});
 
+			// A host runs beside it, registered with the dev project's host
+			// key, so managed rollouts work at once; the demo is announced.
+			const hostUrl = /A container host runs beside it at (\S+)/.exec(out)?.[1];
+			expect(hostUrl).toMatch(/^http:\/\/127\.0\.0\.1:\d+$/);
+			expect(out).toMatch(/drivers\s+workspace, sqlite/);
+			expect(out).toContain("npm run demo");
+			const listed = (await (
+				await fetch(`${url}/v1/hosts`, {
+					headers: { authorization: `Bearer ${key}` },
+				})
+			).json()) as {
+				hosts: { url: string; status: string; drivers: string[] }[];
+			};
+			expect(listed.hosts).toContainEqual(
+				expect.objectContaining({
+					url: hostUrl,
+					status: "up",
+					drivers: expect.arrayContaining(["workspace", "sqlite"]),
+				}),
+			);
+			const rollout = await client.openRollout(task, {
+				template: { driver: "workspace" },
+			});
+			const ran = await client.rolloutCall(task, rollout.id, {
+				tool: "bash",
+				args: { cmd: "echo managed" },
+			});
+			expect(ran).toMatchObject({ hit: false, output: "managed\n" });
+			await client.closeRollout(task, rollout.id);
+
 			// So does the printed curl example, run as printed.
 			const curl = /Try it:\n([\s\S]+?)\n\n/.exec(out)?.[1];
 			expect(curl).toContain("curl");
@@ -88,6 +119,12 @@ describe("trellis dev", () => {
 					err instanceof TrellisError && err.code === "network_error",
 			);
 			expect(gone).toBe(true);
+			// The host stopped with it.
+			const hostGone = await fetch(`${hostUrl}/health`).then(
+				() => false,
+				() => true,
+			);
+			expect(hostGone).toBe(true);
 		} finally {
 			if (child.exitCode === null) process.kill(-child.pid!, "SIGKILL");
 		}
