@@ -29,9 +29,12 @@
  * Flags: --quick (a smoke run) --workloads terminal,sql,rpc --seed N
  *        --tasks N --group N --epochs N --driver docker|workspace (terminal)
  *        --oracle (check every hit by full replay) --out FILE --verbose
- *        --snapshot (run the Worker from a copy of the last commit: wrangler
- *        dev restarts the Worker whenever a source changes, which in a tree
- *        someone is editing lands mid-run)
+ *        --var NAME=VALUE (a Worker variable for the run, e.g.
+ *        SANDBOX_COST_PRIOR_MS=100; repeatable)
+ *        --snapshot (run the Worker from a frozen copy of the working tree's
+ *        files as they are at the start: wrangler dev restarts the Worker
+ *        whenever a source changes, which in a tree someone is editing
+ *        lands mid-run)
  */
 import { execFileSync, spawn } from "node:child_process";
 import {
@@ -87,6 +90,7 @@ const { values } = parseArgs({
 		out: { type: "string" },
 		verbose: { type: "boolean", default: false },
 		snapshot: { type: "boolean", default: false },
+		var: { type: "string", multiple: true },
 		// Internal: this file run as the container host's own process.
 		"child-host": { type: "string" },
 	},
@@ -135,6 +139,14 @@ const OUT =
 		"results",
 		QUICK ? "e2e-quick.json" : "e2e.json",
 	);
+
+/** Worker variables given with --var, passed to the local stack. */
+const VARS: Record<string, string> = {};
+for (const v of values.var ?? []) {
+	const at = v.indexOf("=");
+	if (at <= 0) throw new Error(`--var: give NAME=VALUE, got ${v}`);
+	VARS[v.slice(0, at)] = v.slice(at + 1);
+}
 
 const log = (m: string) => process.stderr.write(`${m}\n`);
 const round = (x: number, digits = 1) => Number(x.toFixed(digits));
@@ -481,7 +493,7 @@ const kb = (b: number) =>
 /** The results as markdown tables. */
 function markdown(results: WorkloadResult[]): string {
 	const lines = [
-		"| workload | calls | hit rate (epoch 1 → 2) | coalesced | median without | median with | speedup (median) | p95 without | p95 with | speedup (p95) | total tool time without → with |",
+		"| workload | calls | hit rate (by epoch) | coalesced | median without | median with | speedup (median) | p95 without | p95 with | speedup (p95) | total tool time without → with |",
 		"|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
 	];
 	for (const r of results) {
@@ -533,6 +545,23 @@ function markdown(results: WorkloadResult[]): string {
 		);
 	}
 	return lines.join("\n");
+}
+
+/** The commit the run was made at, `+dirty` when the tree had changes. */
+function gitHead(): string | null {
+	try {
+		const head = execFileSync("git", ["rev-parse", "--short", "HEAD"], {
+			cwd: REPO_ROOT,
+			encoding: "utf8",
+		}).trim();
+		const dirty = execFileSync("git", ["status", "--porcelain", "-uno"], {
+			cwd: REPO_ROOT,
+			encoding: "utf8",
+		}).trim();
+		return dirty === "" ? head : `${head}+dirty`;
+	} catch {
+		return null;
+	}
 }
 
 // ------------------------------------------------------------ child host
@@ -658,9 +687,16 @@ async function main(): Promise<void> {
 		let start = startLocalStack;
 		if (values.snapshot) {
 			copy = mkdtempSync(path.join(tmpdir(), "trellis-e2e-tree-"));
-			execFileSync("sh", ["-c", `git archive HEAD | tar -x -C "${copy}"`], {
-				cwd: REPO_ROOT,
-			});
+			// Tracked and untracked files that are not ignored: what wrangler
+			// dev would bundle from this tree right now.
+			execFileSync(
+				"sh",
+				[
+					"-c",
+					`git ls-files -z -c -o --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -x -C "${copy}"`,
+				],
+				{ cwd: REPO_ROOT, stdio: ["ignore", "ignore", "inherit"] },
+			);
 			symlinkSync(
 				path.join(REPO_ROOT, "node_modules"),
 				path.join(copy, "node_modules"),
@@ -671,12 +707,13 @@ async function main(): Promise<void> {
 					path.join(copy, "bin", "local-stack.ts")
 				)) as typeof import("../bin/local-stack.ts")
 			).startLocalStack;
-			log(`--snapshot: the Worker runs from a copy of HEAD in ${copy}`);
+			log(`--snapshot: the Worker runs from a copy of the tree in ${copy}`);
 		}
 		log("starting the local stack (wrangler dev)...");
 		stack = await start({
 			persistTo: persist,
 			quiet: !values.verbose,
+			vars: VARS,
 		});
 		const admin = new TrellisClient({ url: stack.url, key: stack.adminKey });
 		const needed = new Set<Driver>(
@@ -778,7 +815,7 @@ async function main(): Promise<void> {
 	const table = markdown(results);
 	const report = {
 		date: new Date().toISOString(),
-		command: `npm run bench:e2e${QUICK ? " -- --quick" : ""}`,
+		command: `npm run bench:e2e -- ${process.argv.slice(2).join(" ")}`.trim(),
 		machine: {
 			// Other work on the machine slows both sides: the load says how much.
 			loadAverage: { start: loadStart, end: loadavg().map((x) => round(x, 2)) },
@@ -788,7 +825,9 @@ async function main(): Promise<void> {
 			node: process.version,
 			docker: docker.ok,
 		},
+		commit: gitHead(),
 		seed,
+		vars: VARS,
 		oracle: values.oracle,
 		durationS: round((performance.now() - started) / 1000, 1),
 		results,
