@@ -75,15 +75,19 @@ const Text = z
 
 export const Call = z.object({
 	tool: Text.pipe(z.string().min(1).max(LIMITS.toolNameLength)),
+	// Not z.json(): it checks recursively and a deeply nested body overflows
+	// the stack before the depth limit is looked at. A body parsed from JSON
+	// is JSON already; these two checks are iterative.
 	args: z
-		.json()
-		.optional()
+		.unknown()
 		.refine((a) => depthWithin(a, LIMITS.maxArgsDepth), {
 			message: `args nest deeper than ${LIMITS.maxArgsDepth} levels`,
+			abort: true,
 		})
 		.refine(wellFormed, {
 			message: "args hold a string that is not valid Unicode",
-		}),
+		})
+		.optional(),
 	mutates: z.boolean().optional(),
 });
 export type Call = z.infer<typeof Call>;

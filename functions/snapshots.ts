@@ -64,10 +64,23 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	// R2 needs the stream's length up front; FixedLengthStream also refuses a
 	// body that is longer or shorter than it said.
 	const sized = new FixedLengthStream(length);
-	const [, obj] = await Promise.all([
-		body.pipeTo(sized.writable),
-		c.env.BLOBS.put(key, sized.readable, { customMetadata: { driver } }),
-	]);
+	const piped = body.pipeTo(sized.writable);
+	const stored = c.env.BLOBS.put(key, sized.readable, {
+		customMetadata: { driver },
+	});
+	// A body shorter or longer than its Content-Length fails the stream, and
+	// R2 then stores nothing: the client's mistake, not ours.
+	const [pipe, put] = await Promise.allSettled([piped, stored]);
+	if (pipe.status === "fulfilled" && put.status === "rejected")
+		throw put.reason;
+	if (pipe.status === "rejected" || put.status === "rejected") {
+		throw apiError(
+			400,
+			"length_mismatch",
+			"the body's length differs from its Content-Length, or it was cut off",
+		);
+	}
+	const obj = put.value;
 	const ref: SnapshotRef = { driver, key, bytes: obj.size };
 	return c.json(ref, 201);
 });
