@@ -815,7 +815,9 @@ async function main(): Promise<void> {
 	const table = markdown(results);
 	const report = {
 		date: new Date().toISOString(),
-		command: `npm run bench:e2e -- ${process.argv.slice(2).join(" ")}`.trim(),
+		command: ["npm run bench:e2e", ...process.argv.slice(2)]
+			.join(" ")
+			.replace("e2e ", "e2e -- "),
 		machine: {
 			// Other work on the machine slows both sides: the load says how much.
 			loadAverage: { start: loadStart, end: loadavg().map((x) => round(x, 2)) },
