@@ -79,6 +79,7 @@ function positive(name: string, v: string | undefined, fallback: number) {
 	return n;
 }
 
+const plural = (n: number, word: string) => `${n} ${word}${n === 1 ? "" : "s"}`;
 const pct = (x: number) => `${(x * 100).toFixed(1)}%`;
 const secs = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
 const bytes = (b: number) =>
@@ -191,7 +192,7 @@ export async function runDemo(argv: string[]): Promise<void> {
 			epochs: new Set(w.groups.map((g) => g.epoch)).size,
 		};
 		console.log(`Trellis demo: ${w.title}
-  ${size.tasks} tasks × a group of ${size.group} rollouts × ${size.epochs} epochs, ${callCount(w)} tool calls
+  ${plural(size.tasks, "task")} × a group of ${plural(size.group, "rollout")} × ${plural(size.epochs, "epoch")}, ${callCount(w)} tool calls
   (stand-in: ${w.standIns})
 `);
 		const prefix = `demo-${randomBytes(4).toString("hex")}`;
