@@ -316,7 +316,6 @@ export class TaskGraph extends DurableObject<Env> {
 				"`from` is neither the root nor a state this task holds",
 			);
 		}
-		this.#remember(scope);
 
 		// Large outputs go to R2 first, content-addressed so that two records
 		// racing for one node cannot overwrite each other's blob. Awaiting R2
@@ -329,10 +328,23 @@ export class TaskGraph extends DurableObject<Env> {
 			if (bytes.byteLength <= input.inlineMaxBytes) continue;
 			const digest = createHash("sha256").update(bytes).digest("hex");
 			const key = `outputs/${scope.project}/${scope.task}/${digest}`;
-			await this.env.BLOBS.put(key, bytes);
+			try {
+				await this.env.BLOBS.put(key, bytes);
+			} catch (err) {
+				// Nothing is recorded without its output; blobs already written
+				// for this run are left to the orphan sweep (they may be shared).
+				console.error("R2 refused an output blob", key, err);
+				return fail(
+					503,
+					"storage_unavailable",
+					"blob storage refused a write; nothing was recorded, retry",
+				);
+			}
 			blobKeys.set(i, key);
 		}
 
+		// Only now, with every blob written, does the task come to exist.
+		this.#remember(scope);
 		const at = now();
 		const results: RecordResult[] = [];
 		let conflicts = 0;

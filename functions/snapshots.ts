@@ -64,16 +64,35 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	// R2 needs the stream's length up front; FixedLengthStream also refuses a
 	// body that is longer or shorter than it said.
 	const sized = new FixedLengthStream(length);
-	const piped = body.pipeTo(sized.writable);
+	// Whichever side fails first says whose fault it is: the body's (shorter
+	// or longer than its Content-Length: 400) or storage's (503). If R2 gives
+	// up without reading, the pipe is aborted, or it would wait forever.
+	let failed: "body" | "storage" | null = null;
+	const abort = new AbortController();
+	const piped = body
+		.pipeTo(sized.writable, { signal: abort.signal })
+		.catch((err: unknown) => {
+			failed ??= "body";
+			throw err;
+		});
 	const stored = c.env.BLOBS.put(key, sized.readable, {
 		customMetadata: { driver },
 	});
-	// A body shorter or longer than its Content-Length fails the stream, and
-	// R2 then stores nothing: the client's mistake, not ours.
-	const [pipe, put] = await Promise.allSettled([piped, stored]);
-	if (pipe.status === "fulfilled" && put.status === "rejected")
-		throw put.reason;
-	if (pipe.status === "rejected" || put.status === "rejected") {
+	stored.catch((err: unknown) => {
+		failed ??= "storage";
+		abort.abort(err);
+	});
+	const [, put] = await Promise.allSettled([piped, stored]);
+	if (failed === "storage") {
+		console.error("R2 refused a snapshot blob", key);
+		throw apiError(
+			503,
+			"storage_unavailable",
+			"blob storage refused the write; nothing was stored, retry",
+			{ "Retry-After": "1" },
+		);
+	}
+	if (failed === "body" || put.status === "rejected") {
 		throw apiError(
 			400,
 			"length_mismatch",

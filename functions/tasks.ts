@@ -233,23 +233,28 @@ tasks.post(
 		const refused = await quotaError(c.env, scope.project, scope.task, budgets);
 		if (refused) throw apiError(403, "quota_exceeded", refused);
 		const steps = pathIds(req.calls, req.from);
-		const r = unwrap(
-			await c.get("graph").record(c.get("scope"), {
-				from: req.from,
-				calls: req.calls.map((call, i) => ({
-					tool: call.tool,
-					args: call.args ?? null,
-					mutates: steps[i].mutates,
-					id: steps[i].id,
-					output: call.output,
-					exitCode: call.exitCode,
-					execMs: call.execMs,
-					snapshot: call.snapshot,
-				})),
-				inlineMaxBytes: Number(c.env.OUTPUT_INLINE_MAX_BYTES),
-				budgets,
-			}),
-		);
+		const recorded = await c.get("graph").record(c.get("scope"), {
+			from: req.from,
+			calls: req.calls.map((call, i) => ({
+				tool: call.tool,
+				args: call.args ?? null,
+				mutates: steps[i].mutates,
+				id: steps[i].id,
+				output: call.output,
+				exitCode: call.exitCode,
+				execMs: call.execMs,
+				snapshot: call.snapshot,
+			})),
+			inlineMaxBytes: Number(c.env.OUTPUT_INLINE_MAX_BYTES),
+			budgets,
+		});
+		// Storage refused a write: nothing was recorded, and a retry may work.
+		if (!recorded.ok && recorded.status === 503) {
+			throw apiError(503, recorded.code, recorded.message, {
+				"Retry-After": "1",
+			});
+		}
+		const r = unwrap(recorded);
 		// The graph computes the final state the same way; say so if it ever does not.
 		if (r.state !== finalState(req.calls, req.from))
 			throw new Error("final state mismatch");
