@@ -132,7 +132,11 @@ export class RolloutRunner {
 				createdAt: now(),
 			})
 			.run();
-		if (this.options.warmRoots > 0) await this.#warmRoot(req.template);
+		// One warm-pool request per template per object: the host keeps refilling it.
+		const warmKey = `root:${JSON.stringify(req.template)}`;
+		if (this.options.warmRoots > 0 && !this.#warm.has(warmKey)) {
+			await this.#warmRoot(req.template);
+		}
 		return ok(this.#summary(this.#row(id)!));
 	}
 
