@@ -5,6 +5,8 @@
  *       [--drivers workspace,docker,sqlite] [--name NAME]
  *       [--hostname ADDR] [--public-url URL] [--data-dir DIR] [--idle-ms N]
  *       [--seed NAME=DIR]... [--image NAME=IMAGE]... [--database NAME=FILE]...
+  [--isolate auto|bwrap|none] [--bind PATH]...
+ *       [--isolate auto|bwrap|none] [--bind PATH]...
  *       [--warm DRIVER[:NAME]=COUNT]...
  *
  * `--worker` and `--key` default to TRELLIS_URL and TRELLIS_HOST_KEY (what
@@ -44,6 +46,14 @@ function pairs(name: string, values: string[] | undefined) {
 	return out;
 }
 
+function isolateMode(
+	v: string | undefined,
+): "auto" | "bwrap" | "none" | undefined {
+	if (v === undefined || v === "auto" || v === "bwrap" || v === "none")
+		return v;
+	fail(`--isolate: auto, bwrap or none, not ${v}`);
+}
+
 async function main(): Promise<void> {
 	const { values } = parseArgs({
 		options: {
@@ -61,6 +71,8 @@ async function main(): Promise<void> {
 			image: { type: "string", multiple: true },
 			database: { type: "string", multiple: true },
 			warm: { type: "string", multiple: true },
+			isolate: { type: "string" },
+			bind: { type: "string", multiple: true },
 			help: { type: "boolean", short: "h" },
 		},
 	});
@@ -103,7 +115,11 @@ async function main(): Promise<void> {
 		dataDir: values["data-dir"],
 		idleMs: int("idle-ms", values["idle-ms"]),
 		templates: {
-			workspace: { seeds },
+			workspace: {
+				seeds,
+				isolate: isolateMode(values.isolate),
+				binds: values.bind?.map((b) => path.resolve(b)),
+			},
 			docker: { images: pairs("image", values.image) },
 			sqlite: { databases },
 		},

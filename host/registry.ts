@@ -49,6 +49,13 @@ export interface DriverConfig {
 	workspace?: {
 		/** Template name → a directory copied into each new workspace. */
 		seeds?: Record<string, string>;
+		/**
+		 * Isolate commands with bubblewrap: `auto` (the default) when `bwrap`
+		 * works here, else plain bash; `none` only for trusted workloads.
+		 */
+		isolate?: "auto" | "bwrap" | "none";
+		/** Paths outside the sandbox an isolated command may write. */
+		binds?: readonly string[];
 	};
 	docker?: {
 		/** Template name → image; a name not listed is taken as an image itself. */
@@ -116,6 +123,8 @@ function workspaceDriver(config: DriverConfig): HostDriver {
 		root: path.join(config.dataDir, "workspace"),
 		timeoutMs: config.execTimeoutMs,
 		maxOutputBytes: config.maxOutputBytes,
+		isolate: config.workspace?.isolate ?? "auto",
+		binds: config.workspace?.binds,
 	};
 	const empty = workspaceFactory(options);
 	const seeds = config.workspace?.seeds ?? {};

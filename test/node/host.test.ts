@@ -92,6 +92,9 @@ async function startHost(extra: Partial<HostOptions> = {}): Promise<Harness> {
 		clock,
 		fetch: watching,
 		log: () => {},
+		// These tests find a sandbox on disk through `pwd`, which an isolated
+		// sandbox hides (it sees itself at /work); isolation has its own tests.
+		templates: { workspace: { isolate: "none" } },
 		...extra,
 	});
 	const { url } = await host.start();
@@ -121,7 +124,7 @@ beforeAll(async () => {
 	// Room for every sandbox the tests below leave running.
 	main = await startHost({
 		capacity: 100,
-		templates: { workspace: { seeds: { hello: seedDir } } },
+		templates: { workspace: { seeds: { hello: seedDir }, isolate: "none" } },
 	});
 });
 afterAll(async () => {
@@ -746,7 +749,7 @@ describe("capacity, idle sandboxes and shutdown", () => {
 		const h = await startHost({
 			capacity: 1,
 			poolCapacity: 2,
-			templates: { workspace: { seeds: { hello: seedDir } } },
+			templates: { workspace: { seeds: { hello: seedDir }, isolate: "none" } },
 		});
 		const key = "workspace:hello";
 		const r = await signed(h, "POST", "/pools/warm", {

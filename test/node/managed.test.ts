@@ -42,6 +42,8 @@ async function startHost(name: string): Promise<Host> {
 		drivers: dockerUp
 			? ["workspace", "sqlite", "docker"]
 			: ["workspace", "sqlite"],
+		// Commands log outside their sandboxes, so the test can count them.
+		templates: { workspace: { binds: [logDir] } },
 		log: () => undefined,
 	});
 	await host.start();
@@ -339,6 +341,8 @@ describe("managed rollouts", () => {
 				hostKey,
 				"--drivers",
 				"workspace",
+				"--bind",
+				logDir,
 			],
 			// Its own process group: tsx runs node under it, and both must die.
 			{ stdio: ["ignore", "pipe", "inherit"], detached: true },
@@ -371,6 +375,7 @@ describe("managed rollouts", () => {
 				worker: stack.url,
 				key: hostKey,
 				name: "survivor",
+				templates: { workspace: { binds: [logDir] } },
 				dataDir: await tmp("host-survivor"),
 				drivers: ["workspace"],
 				log: () => undefined,
