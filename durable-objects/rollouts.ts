@@ -16,6 +16,7 @@ import { sqlCallMutates } from "../core/classify.ts";
 import { now } from "../core/clock.ts";
 import type {
 	ExecResponse,
+	ForkResponse,
 	SnapshotResponse,
 	StartSandboxResponse,
 	Template,
@@ -95,10 +96,17 @@ interface Executed {
 	exitCode: number;
 	execMs: number;
 	plan: RolloutCallResponse["plan"];
+	/** Where it ran; the sandbox is now in the call's state. */
+	hostId: string;
+	sandboxId: string;
 }
 
 export class RolloutRunner {
 	#inflight = new Map<string, Promise<Result<Executed>>>();
+	/** Rollouts waiting on each in-flight call. */
+	#waiters = new Map<string, number>();
+	/** Forks of an executed sandbox, one per waiter, for them to take. */
+	#forks = new Map<string, { hostId: string; sandboxId: string }[]>();
 	#busy = new Set<string>();
 	/** Warm pools this object asked hosts for: `root:<template>` or `state:<id>` → host. */
 	#warm = new Map<string, string>();
@@ -206,8 +214,16 @@ export class RolloutRunner {
 			const flight = this.#inflight.get(id);
 			if (flight) {
 				coalesced = true;
+				this.#waiters.set(id, (this.#waiters.get(id) ?? 0) + 1);
 				const res = await flight;
 				if (!res.ok) return res;
+				// Take a fork of the sandbox that ran it, if one was made for us:
+				// our next miss then starts from our own live sandbox.
+				const fork = this.#forks.get(id)?.pop();
+				if (fork) {
+					await this.#stopSandbox(r);
+					this.#setSandbox(r.id, fork.hostId, fork.sandboxId, next);
+				}
 			} else {
 				this.graph.countMiss(call.tool);
 				const p = this.#execute(
@@ -216,7 +232,14 @@ export class RolloutRunner {
 					{ ...call, mutates },
 					id,
 					req.timeoutMs,
-				);
+				).then(async (res) => {
+					const waiting = this.#waiters.get(id) ?? 0;
+					this.#waiters.delete(id);
+					if (res.ok && mutates && waiting > 0) {
+						this.#forks.set(id, await this.#forkFor(res.value, waiting));
+					}
+					return res;
+				});
 				this.#inflight.set(id, p);
 				let res: Result<Executed>;
 				try {
@@ -463,6 +486,8 @@ export class RolloutRunner {
 			exitCode: out.exitCode,
 			execMs: out.execMs,
 			plan: { kind: p.kind, from: p.from, replayed: path.length - p.from },
+			hostId: host.id,
+			sandboxId,
 		};
 	}
 
@@ -572,6 +597,35 @@ export class RolloutRunner {
 			"no_host",
 			"no container host could run the oracle's replay",
 		);
+	}
+
+	/**
+	 * Proactive forking for a GRPO group: the rollouts that waited on this
+	 * call each get a copy of the sandbox that ran it. Best effort: a fork
+	 * that fails just leaves a waiter without a sandbox.
+	 */
+	async #forkFor(
+		e: Executed,
+		count: number,
+	): Promise<{ hostId: string; sandboxId: string }[]> {
+		const host = await this.hosts.get(e.hostId);
+		if (!host) return [];
+		const forks: { hostId: string; sandboxId: string }[] = [];
+		for (let i = 0; i < count; i++) {
+			try {
+				const f = await this.hosts.call<ForkResponse>(
+					host,
+					"POST",
+					`/sandboxes/${e.sandboxId}/fork`,
+					{},
+					HOST_TIMEOUT_MS,
+				);
+				forks.push({ hostId: host.id, sandboxId: f.id });
+			} catch {
+				break;
+			}
+		}
+		return forks;
 	}
 
 	async #warmRoot(template: Template): Promise<void> {

@@ -117,6 +117,17 @@ describe("managed rollouts", () => {
 		expect(coalesced).toBeGreaterThan(0);
 		const stats = await client.stats(task);
 		expect(stats.coalesced).toBe(coalesced);
+		// The rollouts diverge. The one that ran the call has its sandbox; each
+		// coalesced one was handed a fork of it: nobody replays the prefix.
+		const diverged = await Promise.all(
+			group.map((r, i) => r.call(sh(`diverge-${i}`, `cat state && echo ${i}`))),
+		);
+		for (const [i, d] of diverged.entries()) {
+			expect(d.output).toBe(`ready\n${i}\n`);
+			if (replies[i].coalesced)
+				expect(d.plan).toEqual({ kind: "live", from: 1, replayed: 0 });
+		}
+		expect(await ran("group-first")).toBe(1);
 		for (const r of group) await r.close();
 	});
 
