@@ -24,6 +24,12 @@ export default defineConfig({
 								OUTPUT_INLINE_MAX_BYTES: "1024",
 								OUTPUT_MAX_BYTES: "262144",
 							},
+							// A second limiter with a tiny limit, which the rate limit
+							// tests put in RATE_LIMITER's place: the real one stays
+							// generous, so that no other test file is ever limited.
+							ratelimits: {
+								TEST_RATE_LIMITER: { simple: { limit: 3, period: 60 } },
+							},
 						},
 					}),
 				],
