@@ -642,6 +642,9 @@ export class TaskGraph extends DurableObject<Env> {
 		rollout: string,
 		req: RolloutCallRequest,
 	): Promise<Result<RolloutCallResponse>> {
+		// A refused call (no such rollout, closed, busy) leaves no trace.
+		if (!this.#rollouts.get(rollout).ok)
+			return this.#rollouts.call(rollout, req);
 		this.#remember(scope);
 		const r = await this.#rollouts.call(rollout, req);
 		this.#touch();

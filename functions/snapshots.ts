@@ -64,39 +64,44 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	// R2 needs the stream's length up front; FixedLengthStream also refuses a
 	// body that is longer or shorter than it said.
 	const sized = new FixedLengthStream(length);
-	// Whichever side fails first says whose fault it is: the body's (shorter
-	// or longer than its Content-Length: 400) or storage's (503). If R2 gives
-	// up without reading, the pipe is aborted, or it would wait forever.
-	let failed: "body" | "storage" | null = null;
+	// Count what arrives: the client is at fault (400) if more bytes came
+	// than it said, or the body ended short; otherwise storage is (503).
+	// Which side of the pipe fails first is a race and cannot tell. If R2
+	// gives up without reading, the pipe is aborted, or it would wait forever.
+	let received = 0;
+	let ended = false;
+	const counted = body.pipeThrough(
+		new TransformStream<Uint8Array, Uint8Array>({
+			transform(chunk, ctl) {
+				received += chunk.byteLength;
+				ctl.enqueue(chunk);
+			},
+			flush() {
+				ended = true;
+			},
+		}),
+	);
 	const abort = new AbortController();
-	const piped = body
-		.pipeTo(sized.writable, { signal: abort.signal })
-		.catch((err: unknown) => {
-			failed ??= "body";
-			throw err;
-		});
+	const piped = counted.pipeTo(sized.writable, { signal: abort.signal });
 	const stored = c.env.BLOBS.put(key, sized.readable, {
 		customMetadata: { driver },
 	});
-	stored.catch((err: unknown) => {
-		failed ??= "storage";
-		abort.abort(err);
-	});
-	const [, put] = await Promise.allSettled([piped, stored]);
-	if (failed === "storage") {
+	stored.catch((err: unknown) => abort.abort(err));
+	const [pipe, put] = await Promise.allSettled([piped, stored]);
+	if (received > length || (ended && received !== length)) {
+		throw apiError(
+			400,
+			"length_mismatch",
+			"the body's length differs from its Content-Length",
+		);
+	}
+	if (pipe.status === "rejected" || put.status === "rejected") {
 		console.error("R2 refused a snapshot blob", key);
 		throw apiError(
 			503,
 			"storage_unavailable",
-			"blob storage refused the write; nothing was stored, retry",
+			"blob storage refused the write, or the upload was cut off; nothing was stored, retry",
 			{ "Retry-After": "1" },
-		);
-	}
-	if (failed === "body" || put.status === "rejected") {
-		throw apiError(
-			400,
-			"length_mismatch",
-			"the body's length differs from its Content-Length, or it was cut off",
 		);
 	}
 	const obj = put.value;

@@ -430,19 +430,6 @@ let taskSeq = 0;
  */
 let pristine = "prop-0";
 
-/**
- * Known bug, outside this file's reach (durable-objects/task-graph.ts,
- * rolloutCall): a call to a rollout the task does not have is refused with
- * 404 rollout_not_found, but the task is created first (its scope remembered,
- * its index entry marked for D1). Pinned by the `.fails` test below; when it
- * is fixed, that test fails: then delete it and this exception.
- */
-function knownWriteOnRejection(route: string, reply: Reply): boolean {
-	return (
-		route === "rollout call" && reply.body?.error?.code === "rollout_not_found"
-	);
-}
-
 describe("every task route", () => {
 	it("answers a success or a JSON error, and a task that saw only errors holds nothing", async () => {
 		await fc.assert(
@@ -455,7 +442,7 @@ describe("every task route", () => {
 					headers: type ? { "content-type": type } : {},
 				});
 				expectWellFormed(reply, `${r.route} ${r.raw.slice(0, 200)}`);
-				if (ok(reply) || knownWriteOnRejection(r.route, reply)) {
+				if (ok(reply)) {
 					pristine = `prop-${++taskSeq}`;
 					return;
 				}
@@ -475,20 +462,17 @@ describe("every task route", () => {
 		);
 	});
 
-	it.fails(
-		"leaves a task untouched by a call to a rollout it does not have",
-		async () => {
-			const r = await send("POST", "/v1/tasks/no-rollout/rollouts/nope/calls", {
-				key: main.trainer,
-				json: bash("ls"),
-			});
-			expect(r.body.error.code).toBe("rollout_not_found");
-			const stats = await send("GET", "/v1/tasks/no-rollout/stats", {
-				key: main.host,
-			});
-			expect(stats.status).toBe(404);
-		},
-	);
+	it("leaves a task untouched by a call to a rollout it does not have", async () => {
+		const r = await send("POST", "/v1/tasks/no-rollout/rollouts/nope/calls", {
+			key: main.trainer,
+			json: bash("ls"),
+		});
+		expect(r.body.error.code).toBe("rollout_not_found");
+		const stats = await send("GET", "/v1/tasks/no-rollout/stats", {
+			key: main.host,
+		});
+		expect(stats.status).toBe(404);
+	});
 
 	it("answers a success or a JSON error for any task name in the path", async () => {
 		await fc.assert(
@@ -575,35 +559,29 @@ describe("snapshot uploads", () => {
 		);
 	});
 
-	// Known bug, outside this file's reach (functions/snapshots.ts): a body
-	// shorter or longer than its Content-Length is answered 503
-	// storage_unavailable with Retry-After, so a client retries a request that
-	// can never succeed; it is the body's fault, a 400. When it is fixed these
-	// fail: then drop `.fails`.
+	// A body shorter or longer than its Content-Length is the client's fault:
+	// 400, never a retryable 503 that a client would retry forever.
 	for (const [size, length] of [
 		[0, "1"],
 		[8, "4"],
 	] as const) {
-		it.fails(
-			`refuses ${size} bytes sent with Content-Length ${length} with 400 and stores nothing`,
-			async () => {
-				const task = `blob-mismatch-${size}`;
-				const r = await send(
-					"PUT",
-					`/v1/tasks/${task}/snapshots/${ROOT_ID}?driver=workspace`,
-					{
-						key: main.trainer,
-						body: new Uint8Array(size),
-						headers: { "content-length": length },
-					},
-				);
-				expect(r.status).toBe(400);
-				const listed = await env.BLOBS.list({
-					prefix: `snapshots/props/${task}/`,
-				});
-				expect(listed.objects).toEqual([]);
-			},
-		);
+		it(`refuses ${size} bytes sent with Content-Length ${length} with 400 and stores nothing`, async () => {
+			const task = `blob-mismatch-${size}`;
+			const r = await send(
+				"PUT",
+				`/v1/tasks/${task}/snapshots/${ROOT_ID}?driver=workspace`,
+				{
+					key: main.trainer,
+					body: new Uint8Array(size),
+					headers: { "content-length": length },
+				},
+			);
+			expect(r.status).toBe(400);
+			const listed = await env.BLOBS.list({
+				prefix: `snapshots/props/${task}/`,
+			});
+			expect(listed.objects).toEqual([]);
+		});
 	}
 });
 
