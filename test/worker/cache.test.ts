@@ -250,8 +250,16 @@ describe("lookup and record", () => {
 		const rec = await t.record({ from: ROOT_ID, calls: [run(R1, "r")] });
 		const resultId = rec.body.results[0].id;
 		expect(rec.body.state).toBe(ROOT_ID);
-		expectError(await t.record({ from: resultId, calls: [run(M1, "a")] }), 409, "unknown_state");
-		expectError(await t.lookup({ cursor: resultId, call: M1 }), 409, "stale_cursor");
+		expectError(
+			await t.record({ from: resultId, calls: [run(M1, "a")] }),
+			409,
+			"unknown_state",
+		);
+		expectError(
+			await t.lookup({ cursor: resultId, call: M1 }),
+			409,
+			"stale_cursor",
+		);
 		expectError(await t.lease({ state: resultId }), 404, "state_not_found");
 		expect((await t.stats()).body.nodes).toBe(2);
 	});
