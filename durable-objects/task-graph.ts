@@ -182,7 +182,7 @@ export class TaskGraph extends DurableObject<Env> {
 			{
 				warmRoots: Number(env.WARM_ROOTS ?? 0),
 				warmForks: Number(env.WARM_FORKS ?? 0),
-				costPriorMs: Number(env.SANDBOX_COST_PRIOR_MS ?? 1000),
+				costPriorMs: Number(env.SANDBOX_COST_PRIOR_MS ?? 250),
 			},
 		);
 		// If the migration or the rebuild throws, the runtime resets the object
