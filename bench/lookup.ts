@@ -1132,6 +1132,8 @@ try {
 		? ["floor", "hit (history)", "hit (cursor)"]
 		: ["floor", "hit (history)"];
 	const runs: RouteRun[] = [];
+	/** Attempts not kept, in the results too: nothing measured is hidden. */
+	const discarded: RouteRun[] = [];
 	for (const rate of opts.rates) {
 		// On a shared machine another process can take a core mid-run. The
 		// trio is re-run (all three, so they still share conditions) when
@@ -1151,8 +1153,11 @@ try {
 				...trio.map((r) => (r.restarted ? 99 : (r.otherCores ?? 0))),
 			);
 			if (noise < bestNoise) {
+				if (best !== null) discarded.push(...best);
 				best = trio;
 				bestNoise = noise;
+			} else {
+				discarded.push(...trio);
 			}
 			if (noise <= NOISY_CORES) break;
 			if (attempt <= opts.retries) {
@@ -1204,6 +1209,7 @@ try {
 		targets: TARGET,
 		populate: { paths: paths.length, ...pop },
 		runs,
+		discarded,
 		lines,
 		missRecord: pairs,
 		floorPair,
