@@ -17,7 +17,7 @@ export interface Point {
 const COLORS = ["#6b7280", "#2563eb", "#d97706", "#059669", "#dc2626"];
 const W = 640;
 const H = 400;
-const M = { left: 64, right: 176, top: 40, bottom: 48 };
+const M = { left: 64, right: 176, top: 52, bottom: 48 };
 
 function esc(s: string): string {
 	return s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
@@ -43,7 +43,11 @@ function label(v: number): string {
 	return v >= 1 ? String(v) : v.toPrecision(1);
 }
 
-export function renderChart(points: Point[], title: string): string {
+export function renderChart(
+	points: Point[],
+	title: string,
+	subtitle = "",
+): string {
 	const series = [...new Set(points.map((p) => p.series))];
 	const rates = [...new Set(points.map((p) => p.rate))].sort((a, b) => a - b);
 	const values = points
@@ -73,6 +77,7 @@ export function renderChart(points: Point[], title: string): string {
 			`viewBox="0 0 ${W} ${H}" font-family="system-ui, sans-serif" font-size="11">`,
 		`<rect width="${W}" height="${H}" fill="#ffffff"/>`,
 		`<text x="${M.left}" y="20" font-size="13" font-weight="600">${esc(title)}</text>`,
+		`<text x="${M.left}" y="36" fill="#4b5563">${esc(subtitle)}</text>`,
 	);
 	for (const t of ticks(yLo, yHi)) {
 		out.push(
@@ -154,7 +159,7 @@ export function renderChart(points: Point[], title: string): string {
 
 /** The fields of bench/results/lookup.json that the chart reads. */
 interface LookupResults {
-	meta: { date: string; cpus: number; target: string };
+	meta: { date: string; cpus: number; target: string; commit: string | null };
 	options: { direct?: boolean };
 	runs: {
 		route: string;
@@ -180,8 +185,10 @@ export function chartOfResults(r: LookupResults): string {
 			p99Us: x.latencyUs.p99,
 			achieved: x.achievedRate,
 		})),
-		`Exact hits vs the /healthz floor (${via}; ${r.meta.cpus} cores, ` +
-			`${r.meta.date.slice(0, 10)})`,
+		"Exact-hit lookups vs the /healthz floor",
+		`${via}; ${r.meta.cpus} cores shared with the load generator; ` +
+			`${r.meta.date.slice(0, 10)}` +
+			(r.meta.commit ? `; commit ${r.meta.commit}` : ""),
 	);
 }
 
