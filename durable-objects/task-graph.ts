@@ -666,6 +666,17 @@ export class TaskGraph extends DurableObject<Env> {
 		return this.#holdsState(state);
 	}
 
+	/** The R2 key of the snapshot a state's node points at, if any. */
+	async snapshotKey(state: string): Promise<string | null> {
+		if (!this.#index.get(state)?.snapshot) return null;
+		const row = this.#db
+			.select({ key: nodes.snapshotKey })
+			.from(nodes)
+			.where(eq(nodes.id, state))
+			.get();
+		return row?.key ?? null;
+	}
+
 	/**
 	 * Expires due leases, forgets long-expired ones and brings the task index
 	 * in D1 up to date. Idempotent: running it twice leaves the same state.

@@ -1,8 +1,13 @@
 /**
  * Snapshot blobs for a task's states, streamed into and out of R2 at
- * `snapshots/{project}/{task}/{state}`. The Worker only stores bytes; making
- * and restoring snapshots is a sandbox's job. A blob names its node in the
- * key; a record then points the node at it (the returned ref).
+ * `snapshots/{project}/{task}/{state}/{upload}`. The Worker only stores
+ * bytes; making and restoring snapshots is a sandbox's job. A record then
+ * points the node at its blob (the returned ref).
+ *
+ * Every upload gets a key of its own. With one key per state, an eviction
+ * deleting a state's old blob could, after its transaction, delete a new
+ * blob uploaded and recorded for the same state meanwhile: a node (and a
+ * lease) would point at nothing. The soak benchmark caught exactly that.
  */
 import { Hono } from "hono";
 import { Id, LIMITS, type SnapshotRef } from "../core/api.ts";
@@ -14,8 +19,8 @@ export const snapshots = new Hono<AppEnv>();
 
 const blobs = allow(["trainer", "host", "admin"]);
 
-function blobKey(project: string, task: string, state: string): string {
-	return `snapshots/${project}/${task}/${state}`;
+function blobPrefix(project: string, task: string, state: string): string {
+	return `snapshots/${project}/${task}/${state}/`;
 }
 
 function stateParam(raw: string): string {
@@ -58,7 +63,7 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	// right after executing, before they record. The cron sweeps blobs no node
 	// points at.
 	const { project, task } = c.get("scope");
-	const key = blobKey(project, task, state);
+	const key = blobPrefix(project, task, state) + crypto.randomUUID();
 	const body =
 		c.req.raw.body ?? new ReadableStream({ start: (ctl) => ctl.close() });
 	// R2 needs the stream's length up front; FixedLengthStream also refuses a
@@ -112,7 +117,19 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 snapshots.get("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	const state = stateParam(c.req.param("state"));
 	const { project, task } = c.get("scope");
-	const obj = await c.env.BLOBS.get(blobKey(project, task, state));
+	// The blob the state's node points at; before any record points at one,
+	// the latest upload for the state.
+	let key = await c.get("graph").snapshotKey(state);
+	if (key === null) {
+		const listed = await c.env.BLOBS.list({
+			prefix: blobPrefix(project, task, state),
+		});
+		const latest = listed.objects.sort(
+			(a, b) => b.uploaded.getTime() - a.uploaded.getTime(),
+		)[0];
+		key = latest?.key ?? null;
+	}
+	const obj = key === null ? null : await c.env.BLOBS.get(key);
 	if (!obj)
 		throw apiError(
 			404,

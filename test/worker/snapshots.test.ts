@@ -38,7 +38,9 @@ describe("snapshot blobs", () => {
 		expect(up.status).toBe(201);
 		expect(up.body).toEqual({
 			driver: "workspace",
-			key: `snapshots/snaps/roundtrip/${state}`,
+			key: expect.stringMatching(
+				new RegExp(`^snapshots/snaps/roundtrip/${state}/[0-9a-f-]{36}$`),
+			),
 			bytes: blob.length,
 		});
 
@@ -85,16 +87,50 @@ describe("snapshot blobs", () => {
 	it("keeps blobs per project: another project's key cannot read one", async () => {
 		const other = await project("snaps-other");
 		const state = "d".repeat(64);
-		await api("PUT", `/v1/tasks/iso/snapshots/${state}?driver=workspace`, {
-			key: keys.host,
-			body: bytes(10),
-		});
+		const up = await api(
+			"PUT",
+			`/v1/tasks/iso/snapshots/${state}?driver=workspace`,
+			{
+				key: keys.host,
+				body: bytes(10),
+			},
+		);
 		expectError(
 			await api("GET", `/v1/tasks/iso/snapshots/${state}`, { key: other.host }),
 			404,
 			"snapshot_not_found",
 		);
-		expect(await env.BLOBS.head(`snapshots/snaps/iso/${state}`)).not.toBeNull();
+		expect(await env.BLOBS.head(up.body.key)).not.toBeNull();
+	});
+
+	// Found by the soak benchmark: with one key per state, an eviction deleting
+	// a state's old blob removed a new one recorded for it meanwhile.
+	it("gives every upload its own key, so deleting an old blob never takes a newer one", async () => {
+		const t = taskApi(keys.trainer, "reupload");
+		const rec = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("build"), "built")],
+		});
+		const state = rec.body.state;
+		const put = (b: Uint8Array) =>
+			api("PUT", `/v1/tasks/reupload/snapshots/${state}?driver=workspace`, {
+				key: keys.host,
+				body: b,
+			});
+		const first = await put(bytes(5));
+		const second = await put(bytes(7));
+		expect(first.body.key).not.toBe(second.body.key);
+		await t.record({
+			from: ROOT_ID,
+			calls: [{ ...run(bash("build"), "built"), snapshot: second.body }],
+		});
+		// Deleting the first (an eviction's late delete, say) leaves the recorded one.
+		await env.BLOBS.delete(first.body.key);
+		const got = await api("GET", `/v1/tasks/reupload/snapshots/${state}`, {
+			key: keys.trainer,
+		});
+		expect(got.status).toBe(200);
+		expect(got.headers.get("content-length")).toBe("7");
 	});
 
 	it("refuses a blob larger than the limit before reading it", async () => {
