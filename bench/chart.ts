@@ -175,8 +175,8 @@ export function chartOfResults(r: LookupResults): string {
 		r.meta.target === "url"
 			? "--url"
 			: r.options.direct
-				? "wrangler dev, direct to the Worker"
-				: "wrangler dev, through its proxy";
+				? "wrangler dev, direct"
+				: "wrangler dev, via its proxy";
 	return renderChart(
 		r.runs.map((x) => ({
 			series: x.route,
@@ -186,7 +186,7 @@ export function chartOfResults(r: LookupResults): string {
 			achieved: x.achievedRate,
 		})),
 		"Exact-hit lookups vs the /healthz floor",
-		`${via}; ${r.meta.cpus} cores shared with the load generator; ` +
+		`${via}; ${r.meta.cpus} cores shared with the generator; ` +
 			`${r.meta.date.slice(0, 10)}` +
 			(r.meta.commit ? `; commit ${r.meta.commit}` : ""),
 	);
