@@ -130,3 +130,13 @@ export const evictions = sqliteTable("evictions", {
 	count: integer("count").notNull().default(0),
 	bytes: integer("bytes").notNull().default(0),
 });
+
+/**
+ * Blob keys this task deleted (evicted snapshots). Keys are unique per
+ * upload, so a deleted key never comes back: a retried record carrying one
+ * must not attach it to a node.
+ */
+export const deletedBlobs = sqliteTable("deleted_blobs", {
+	key: text("key").primaryKey(),
+	deletedAt: integer("deleted_at").notNull(),
+});

@@ -63,6 +63,7 @@ import migrations from "../migrations/task-graph/migrations.js";
 import { RolloutRunner, type GraphAccess, type PathNode } from "./rollouts.ts";
 import * as schema from "./task-graph.schema.ts";
 import {
+	deletedBlobs,
 	evictions,
 	leases,
 	meta,
@@ -351,6 +352,12 @@ export class TaskGraph extends DurableObject<Env> {
 		let state = input.from;
 		this.ctx.storage.transactionSync(() => {
 			for (const [i, c] of input.calls.entries()) {
+				// A retried record may carry a snapshot ref whose blob was since
+				// evicted and deleted: never point a node at it.
+				const snap =
+					c.snapshot && !this.#deletedBlob(c.snapshot.key)
+						? c.snapshot
+						: undefined;
 				const parent = state;
 				const parentNode = this.#index.get(parent)!;
 				const existing = this.#index.get(c.id);
@@ -362,8 +369,8 @@ export class TaskGraph extends DurableObject<Env> {
 						toolDelta.conflicts = 1;
 					}
 					results.push({ id: c.id, status: same ? "exists" : "conflict" });
-					if (c.snapshot && !existing.snapshot && existing.kind === "state") {
-						this.#attachSnapshot(c.id, c.snapshot);
+					if (snap && !existing.snapshot && existing.kind === "state") {
+						this.#attachSnapshot(c.id, snap);
 					}
 				} else {
 					const key = blobKeys.get(i) ?? null;
@@ -384,9 +391,9 @@ export class TaskGraph extends DurableObject<Env> {
 							outputBytes: bytes,
 							exitCode: c.exitCode,
 							execMs: c.execMs,
-							snapshotDriver: c.snapshot?.driver ?? null,
-							snapshotKey: c.snapshot?.key ?? null,
-							snapshotBytes: c.snapshot?.bytes ?? null,
+							snapshotDriver: snap?.driver ?? null,
+							snapshotKey: snap?.key ?? null,
+							snapshotBytes: snap?.bytes ?? null,
 							createdAt: at,
 						})
 						.run();
@@ -394,13 +401,13 @@ export class TaskGraph extends DurableObject<Env> {
 						parent,
 						depth,
 						kind,
-						snapshot: c.snapshot !== undefined,
+						snapshot: snap !== undefined,
 					});
 					this.#usage.nodes++;
 					this.#usage.outputBytes += bytes;
-					if (c.snapshot) {
+					if (snap) {
 						this.#usage.snapshots++;
-						this.#usage.snapshotBytes += c.snapshot.bytes;
+						this.#usage.snapshotBytes += snap.bytes;
 					}
 					results.push({ id: c.id, status: "recorded" });
 				}
@@ -444,9 +451,30 @@ export class TaskGraph extends DurableObject<Env> {
 	async countHits(scope: Scope, hits: EdgeHit[]): Promise<void> {
 		this.#remember(scope);
 		const at = now();
+		// Aggregated: one statement for every node, one upsert per tool. A
+		// statement per hit made each batch a stall that responses waited on.
+		const perNode: Record<string, number> = {};
+		const perTool = new Map<string, { hits: number; savedMs: number }>();
+		for (const h of hits) {
+			if (!this.#index.has(h.id)) continue;
+			perNode[h.id] = (perNode[h.id] ?? 0) + 1;
+			const t = perTool.get(h.tool) ?? { hits: 0, savedMs: 0 };
+			t.hits++;
+			t.savedMs += h.execMs;
+			perTool.set(h.tool, t);
+		}
+		if (perTool.size === 0) return;
+		const counts = JSON.stringify(perNode);
 		this.ctx.storage.transactionSync(() => {
-			for (const h of hits) {
-				if (this.#index.has(h.id)) this.#countHit(h.tool, h.id, h.execMs, at);
+			this.#db.run(
+				sql`update ${nodes} set hits = hits + (select value from json_each(${counts}) where key = ${nodes.id}), last_hit_at = ${at} where ${nodes.id} in (select key from json_each(${counts}))`,
+			);
+			for (const [tool, t] of perTool) {
+				this.#bumpTool(tool, {
+					lookups: t.hits,
+					hits: t.hits,
+					savedMs: t.savedMs,
+				});
 			}
 		});
 		this.#touch();
@@ -1004,6 +1032,7 @@ export class TaskGraph extends DurableObject<Env> {
 				this.#db.delete(nodes).where(inArray(nodes.id, ids)).run();
 				this.#db.delete(leases).where(inArray(leases.nodeId, ids)).run();
 			}
+			for (const key of blobKeys) this.#buryBlob(key, at);
 			// Outputs are content-addressed: keep a blob another node still uses.
 			for (const key of outputKeys) {
 				const used = this.#db
@@ -1060,6 +1089,7 @@ export class TaskGraph extends DurableObject<Env> {
 							.get(),
 				);
 				if (orphans.length > 0) {
+					for (const o of orphans) this.#buryBlob(o.key, before);
 					await this.env.BLOBS.delete(orphans.map((o) => o.key));
 					count += orphans.length;
 					bytes += orphans.reduce((n, o) => n + o.size, 0);
@@ -1096,6 +1126,7 @@ export class TaskGraph extends DurableObject<Env> {
 				meta,
 				rolloutRows,
 				evictions,
+				deletedBlobs,
 			]) {
 				this.#db.delete(table).run();
 			}
@@ -1109,6 +1140,26 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#indexDirty = false;
 		this.#rebuild();
 		return bytes;
+	}
+
+	/** Remembers a deleted snapshot key (unique per upload, so for good). */
+	#buryBlob(key: string, at: number): void {
+		if (!key.startsWith("snapshots/")) return;
+		this.#db
+			.insert(deletedBlobs)
+			.values({ key, deletedAt: at })
+			.onConflictDoNothing()
+			.run();
+	}
+
+	#deletedBlob(key: string): boolean {
+		return (
+			this.#db
+				.select({ key: deletedBlobs.key })
+				.from(deletedBlobs)
+				.where(eq(deletedBlobs.key, key))
+				.get() !== undefined
+		);
 	}
 
 	#bumpEviction(reason: string, count: number, bytes: number): void {

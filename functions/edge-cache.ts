@@ -18,7 +18,7 @@ import type {
 } from "../durable-objects/task-graph.ts";
 
 const FLUSH_MS = 1000;
-const FLUSH_COUNT = 256;
+const FLUSH_COUNT = 64;
 
 interface Entry {
 	hit: Hit;

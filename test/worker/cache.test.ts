@@ -313,6 +313,21 @@ describe("lookup and record", () => {
 		expect(stats.tools.bash).toMatchObject({ lookups: 2, hits: 2, misses: 0 });
 	});
 
+	it("counts a batch of edge hits per node and per tool, several to a node", async () => {
+		const t = taskApi(keys.trainer, "edge-batch");
+		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 100)] });
+		await t.record({ from: ROOT_ID, calls: [run(M2, "b", 10)] });
+		for (let i = 0; i < 5; i++) await t.lookup({ history: [], call: M1 });
+		for (let i = 0; i < 3; i++) await t.lookup({ history: [], call: M2 });
+		const stats = (await t.stats()).body;
+		expect(stats).toMatchObject({ lookups: 8, hits: 8, savedMs: 530 });
+		const nodes = (await t.graph()).body.nodes;
+		const hits = (cmd: string) =>
+			nodes.find((n: { args: { cmd?: string } | null }) => n.args?.cmd === cmd)
+				.hits;
+		expect([hits("git clone repo"), hits("patch foo.py")]).toEqual([5, 3]);
+	});
+
 	it("keeps every acknowledged record across a restart of the task graph", async () => {
 		const t = taskApi(keys.trainer, "restart");
 		const rec = await t.record({

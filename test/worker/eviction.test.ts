@@ -285,6 +285,48 @@ describe("budgets in a task graph", () => {
 		expect(hot.body.state).not.toBe(cold.body.state);
 	});
 
+	// Found by the soak: a client retrying a record whose answer it lost
+	// re-attached a snapshot that eviction had deleted meanwhile.
+	it("never re-attaches an evicted snapshot when a record is retried", async () => {
+		await setBudgets({ snapshots: 100, nodes: 1000 });
+		const t = taskApi(keys.trainer, "retry");
+		const first = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("a"), "1", 1)],
+		});
+		const state = first.body.state;
+		const up = await api(
+			"PUT",
+			`/v1/tasks/retry/snapshots/${state}?driver=workspace`,
+			{
+				key: keys.host,
+				body: "blob",
+			},
+		);
+		const withSnap = {
+			from: ROOT_ID,
+			calls: [{ ...run(bash("a"), "1", 1), snapshot: up.body }],
+		};
+		expect((await t.record(withSnap)).body.results[0].status).toBe("exists");
+		await branches("retry", 1, () => 9000);
+		const one = (await setBudgets({ snapshots: 1 })).body;
+		expect((await stub("retry").enforce(one)).snapshots).toBe(1);
+		expect(await env.BLOBS.head(up.body.key)).toBeNull();
+
+		// The retry: same record, same ref.
+		expect((await t.record(withSnap)).body.results[0].status).toBe("exists");
+		const node = (await t.graph()).body.nodes.find(
+			(n: { id: string }) => n.id === state,
+		);
+		expect(node.snapshot).toBeNull();
+		const miss = await t.lookup({ history: [bash("a")], call: bash("next") });
+		expect(miss.body).toMatchObject({
+			snapshot: null,
+			lease: null,
+			resume: ROOT_ID,
+		});
+	});
+
 	it("gives the same end state when the eviction alarm runs twice (fault 5)", async () => {
 		await setBudgets({ snapshots: 1, nodes: 1000 });
 		const { t } = await branches("twice", 3, (i) => i * 100 + 1);
