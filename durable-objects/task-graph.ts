@@ -1067,57 +1067,52 @@ export class TaskGraph extends DurableObject<Env> {
 		scope: Scope,
 		before: number,
 	): Promise<{ count: number; bytes: number }> {
+		const freed = await this.#deleteBlobs(scope, (o, prefix) => {
+			if (o.uploaded.getTime() >= before) return false;
+			const column = prefix === "outputs" ? nodes.outputKey : nodes.snapshotKey;
+			const used = this.#db
+				.select({ seq: nodes.seq })
+				.from(nodes)
+				.where(eq(column, o.key))
+				.get();
+			if (used) return false;
+			this.#buryBlob(o.key, before);
+			return true;
+		});
+		if (freed.count > 0) this.#bumpEviction("orphan", freed.count, freed.bytes);
+		return freed;
+	}
+
+	/**
+	 * Pages through the task's two R2 prefixes and deletes the blobs `pick`
+	 * chooses (synchronously: it may read and write rows, but not await).
+	 */
+	async #deleteBlobs(
+		scope: Scope,
+		pick: (o: R2Object, prefix: "outputs" | "snapshots") => boolean,
+	): Promise<{ count: number; bytes: number }> {
 		let count = 0;
 		let bytes = 0;
-		for (const prefix of [
-			`outputs/${scope.project}/${scope.task}/`,
-			`snapshots/${scope.project}/${scope.task}/`,
-		]) {
+		for (const kind of ["outputs", "snapshots"] as const) {
+			const prefix = `${kind}/${scope.project}/${scope.task}/`;
 			let cursor: string | undefined;
 			do {
 				const page = await this.env.BLOBS.list({ prefix, cursor, limit: 1000 });
-				const column = prefix.startsWith("outputs/")
-					? nodes.outputKey
-					: nodes.snapshotKey;
-				const orphans = page.objects.filter(
-					(o) =>
-						o.uploaded.getTime() < before &&
-						!this.#db
-							.select({ seq: nodes.seq })
-							.from(nodes)
-							.where(eq(column, o.key))
-							.get(),
-				);
-				if (orphans.length > 0) {
-					for (const o of orphans) this.#buryBlob(o.key, before);
-					await this.env.BLOBS.delete(orphans.map((o) => o.key));
-					count += orphans.length;
-					bytes += orphans.reduce((n, o) => n + o.size, 0);
+				const doomed = page.objects.filter((o) => pick(o, kind));
+				if (doomed.length > 0) {
+					await this.env.BLOBS.delete(doomed.map((o) => o.key));
+					count += doomed.length;
+					bytes += doomed.reduce((n, o) => n + o.size, 0);
 				}
 				cursor = page.truncated ? page.cursor : undefined;
 			} while (cursor);
 		}
-		if (count > 0) this.#bumpEviction("orphan", count, bytes);
 		return { count, bytes };
 	}
 
 	/** Deletes everything the task holds: its blobs, its rows, its index entry. */
 	async #deleteTask(scope: Scope): Promise<number> {
-		let bytes = 0;
-		for (const prefix of [
-			`outputs/${scope.project}/${scope.task}/`,
-			`snapshots/${scope.project}/${scope.task}/`,
-		]) {
-			let cursor: string | undefined;
-			do {
-				const page = await this.env.BLOBS.list({ prefix, cursor, limit: 1000 });
-				if (page.objects.length > 0) {
-					await this.env.BLOBS.delete(page.objects.map((o) => o.key));
-					bytes += page.objects.reduce((n, o) => n + o.size, 0);
-				}
-				cursor = page.truncated ? page.cursor : undefined;
-			} while (cursor);
-		}
+		const { bytes } = await this.#deleteBlobs(scope, () => true);
 		this.ctx.storage.transactionSync(() => {
 			for (const table of [
 				nodes,
