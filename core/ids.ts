@@ -8,10 +8,14 @@
  * - child      = H(parent ‖ key)             raw 32-byte digests concatenated
  * - obs result = H(state ‖ "obs" ‖ key)      for calls that do not mutate
  *
- * `node:crypto` hashes synchronously in both Node and workerd (nodejs_compat),
- * so a Durable Object can compute ids without yielding to other requests.
+ * SHA-256 is @noble/hashes' synchronous implementation: it runs the same in
+ * Node and workerd, lets a Durable Object compute ids without yielding to
+ * other requests, and on the short inputs ids hash it costs a fraction of
+ * `node:crypto` under workerd's `nodejs_compat`, whose `Buffer` conversions
+ * dominated a cache hit's CPU profile.
  */
-import { createHash } from "node:crypto";
+import { sha256 } from "@noble/hashes/sha2.js";
+import { bytesToHex, hexToBytes, utf8ToBytes } from "@noble/hashes/utils.js";
 import canonicalize from "canonicalize";
 
 /** A tool call as the cache sees it. */
@@ -23,13 +27,14 @@ export interface Call {
 	mutates?: boolean;
 }
 
-const OBS = Buffer.from("obs", "utf8");
+const OBS = utf8ToBytes("obs");
 
-function sha256(...parts: (Buffer | string)[]): Buffer {
-	const h = createHash("sha256");
-	for (const p of parts)
-		h.update(typeof p === "string" ? Buffer.from(p, "utf8") : p);
-	return h.digest();
+/** SHA-256 of the concatenation of `parts`, as hex. */
+function digestHex(...parts: Uint8Array[]): string {
+	if (parts.length === 1) return bytesToHex(sha256(parts[0]));
+	const h = sha256.create();
+	for (const p of parts) h.update(p);
+	return bytesToHex(h.digest());
 }
 
 /** The RFC 8785 canonical JSON of a call's identity: `{"args","tool"}`. */
@@ -41,26 +46,20 @@ export function canonicalCall(call: Pick<Call, "tool" | "args">): string {
 
 /** The call key: SHA-256 of the canonical JSON of `{args, tool}`. */
 export function callKey(call: Pick<Call, "tool" | "args">): string {
-	return sha256(canonicalCall(call)).toString("hex");
+	return digestHex(utf8ToBytes(canonicalCall(call)));
 }
 
 /** The id of the empty state every task starts from. */
-export const ROOT_ID = sha256("trellis/v1/root").toString("hex");
+export const ROOT_ID = digestHex(utf8ToBytes("trellis/v1/root"));
 
 /** The state after a state-changing call with key `key` at state `parent`. */
 export function childId(parent: string, key: string): string {
-	return sha256(Buffer.from(parent, "hex"), Buffer.from(key, "hex")).toString(
-		"hex",
-	);
+	return digestHex(hexToBytes(parent), hexToBytes(key));
 }
 
 /** The result of a stateless call with key `key` run at state `state`. */
 export function obsId(state: string, key: string): string {
-	return sha256(
-		Buffer.from(state, "hex"),
-		OBS,
-		Buffer.from(key, "hex"),
-	).toString("hex");
+	return digestHex(hexToBytes(state), OBS, hexToBytes(key));
 }
 
 export function mutates(call: Call): boolean {

@@ -452,7 +452,8 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#remember(scope);
 		const at = now();
 		// Aggregated: one statement for every node, one upsert per tool. A
-		// statement per hit made each batch a stall that responses waited on.
+		// statement per hit made each batch a stall that responses waited on;
+		// the join parses the counts once and finds each node by its index.
 		const perNode: Record<string, number> = {};
 		const perTool = new Map<string, { hits: number; savedMs: number }>();
 		for (const h of hits) {
@@ -467,7 +468,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const counts = JSON.stringify(perNode);
 		this.ctx.storage.transactionSync(() => {
 			this.#db.run(
-				sql`update ${nodes} set hits = hits + (select value from json_each(${counts}) where key = ${nodes.id}), last_hit_at = ${at} where ${nodes.id} in (select key from json_each(${counts}))`,
+				sql`update ${nodes} set hits = hits + c.value, last_hit_at = ${at} from json_each(${counts}) as c where ${nodes.id} = c.key`,
 			);
 			for (const [tool, t] of perTool) {
 				this.#bumpTool(tool, {
