@@ -63,6 +63,11 @@ import migrations from "../migrations/task-graph/migrations.js";
 import { RolloutRunner, type GraphAccess, type PathNode } from "./rollouts.ts";
 import * as schema from "./task-graph.schema.ts";
 import {
+	prepareStatements,
+	TOOL_COUNTERS,
+	type Statements,
+} from "./task-graph.statements.ts";
+import {
 	deletedBlobs,
 	evictions,
 	leases,
@@ -162,6 +167,8 @@ const INDEX_FLUSH_DELAY_MS = 2000;
 
 export class TaskGraph extends DurableObject<Env> {
 	#db: DrizzleSqliteDODatabase<typeof schema>;
+	/** The hot paths' statements, prepared once. */
+	#q: Statements;
 	#index = new Map<string, IndexNode>();
 	#alarmAt: number | null = null;
 	#indexDirty = false;
@@ -175,6 +182,7 @@ export class TaskGraph extends DurableObject<Env> {
 	constructor(ctx: DurableObjectState, env: Env) {
 		super(ctx, env);
 		this.#db = drizzle(ctx.storage, { schema });
+		this.#q = prepareStatements(this.#db);
 		this.#rollouts = new RolloutRunner(
 			this.#db,
 			this.#access(),
@@ -215,11 +223,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const at = now();
 		const tool = input.call.tool;
 		if (this.#index.has(input.call.id)) {
-			const row = this.#db
-				.select()
-				.from(nodes)
-				.where(eq(nodes.id, input.call.id))
-				.get()!;
+			const row = this.#q.node.get({ id: input.call.id })!;
 			this.#countHit(tool, row.id, row.execMs, at);
 			this.#touch();
 			return ok(this.#storedHit(row));
@@ -228,7 +232,6 @@ export class TaskGraph extends DurableObject<Env> {
 		// The deepest held state of the path. Ids are path digests, so a held
 		// state implies its whole prefix is held.
 		let matched = ROOT_ID;
-		let matchedIndex = -1;
 		if (input.cursor !== undefined) {
 			matched = input.cursor;
 		} else {
@@ -236,7 +239,6 @@ export class TaskGraph extends DurableObject<Env> {
 			for (let i = path.length - 1; i >= 0; i--) {
 				if (this.#index.has(path[i].id)) {
 					matched = path[i].id;
-					matchedIndex = i;
 					break;
 				}
 			}
@@ -255,26 +257,25 @@ export class TaskGraph extends DurableObject<Env> {
 		const resume = snapshotState ?? ROOT_ID;
 
 		// Replay: the held calls from the snapshot down to the matched state,
-		// then (history mode) the history's calls the graph has not seen.
-		const held = this.#pathCalls(resume, matched);
-		const replay: ReplayCall[] =
-			input.cursor !== undefined
-				? held
-				: [
-						...held,
-						...(input.path ?? [])
-							.slice(matchedIndex + 1)
-							.map(({ tool, args, id }) => ({ tool, args, id })),
-					];
+		// then (history mode) the history's calls the graph has not seen. In
+		// history mode the path is the chain from the root itself (ids are
+		// path digests), so the held calls come from it, not from SQLite.
+		let replay: ReplayCall[];
+		if (input.cursor !== undefined) {
+			replay = this.#pathCalls(resume, matched);
+		} else {
+			const path = input.path ?? [];
+			const from =
+				resume === ROOT_ID ? 0 : path.findIndex((c) => c.id === resume) + 1;
+			replay = path
+				.slice(from)
+				.map(({ tool, args, id }) => ({ tool, args, id }));
+		}
 
 		let snapshot: Miss["snapshot"] = null;
 		let lease: Lease | null = null;
 		if (snapshotState !== null) {
-			const row = this.#db
-				.select()
-				.from(nodes)
-				.where(eq(nodes.id, snapshotState))
-				.get()!;
+			const row = this.#q.node.get({ id: snapshotState })!;
 			snapshot = {
 				state: snapshotState,
 				depth: row.depth,
@@ -377,26 +378,23 @@ export class TaskGraph extends DurableObject<Env> {
 					const bytes = encoder.encode(c.output).byteLength;
 					const kind = c.mutates ? "state" : "result";
 					const depth = c.mutates ? parentNode.depth + 1 : parentNode.depth;
-					this.#db
-						.insert(nodes)
-						.values({
-							id: c.id,
-							parentId: parent,
-							kind,
-							depth,
-							tool: c.tool,
-							args: JSON.stringify(c.args ?? null),
-							output: key === null ? c.output : null,
-							outputKey: key,
-							outputBytes: bytes,
-							exitCode: c.exitCode,
-							execMs: c.execMs,
-							snapshotDriver: snap?.driver ?? null,
-							snapshotKey: snap?.key ?? null,
-							snapshotBytes: snap?.bytes ?? null,
-							createdAt: at,
-						})
-						.run();
+					this.#q.insertNode.run({
+						id: c.id,
+						parentId: parent,
+						kind,
+						depth,
+						tool: c.tool,
+						args: JSON.stringify(c.args ?? null),
+						output: key === null ? c.output : null,
+						outputKey: key,
+						outputBytes: bytes,
+						exitCode: c.exitCode,
+						execMs: c.execMs,
+						snapshotDriver: snap?.driver ?? null,
+						snapshotKey: snap?.key ?? null,
+						snapshotBytes: snap?.bytes ?? null,
+						createdAt: at,
+					});
 					this.#index.set(c.id, {
 						parent,
 						depth,
@@ -441,7 +439,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const n = this.#index.get(id);
 		if (n === undefined || n.kind === "root") return null;
 		this.#remember(scope);
-		const row = this.#db.select().from(nodes).where(eq(nodes.id, id)).get()!;
+		const row = this.#q.node.get({ id })!;
 		this.#countHit(row.tool!, id, row.execMs, now());
 		this.#touch();
 		return { hit: this.#storedHit(row), tool: row.tool! };
@@ -1258,11 +1256,7 @@ export class TaskGraph extends DurableObject<Env> {
 		}
 		ids.reverse();
 		return ids.map((id) => {
-			const r = this.#db
-				.select({ tool: nodes.tool, args: nodes.args })
-				.from(nodes)
-				.where(eq(nodes.id, id))
-				.get()!;
+			const r = this.#q.call.get({ id })!;
 			return { tool: r.tool!, args: JSON.parse(r.args ?? "null"), id };
 		});
 	}
@@ -1314,11 +1308,7 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	#countHit(tool: string, id: string, execMs: number, at: number): void {
-		this.#db
-			.update(nodes)
-			.set({ hits: sql`${nodes.hits} + 1`, lastHitAt: at })
-			.where(eq(nodes.id, id))
-			.run();
+		this.#q.countHit.run({ id, at });
 		this.#bumpTool(tool, { lookups: 1, hits: 1, savedMs: execMs });
 	}
 
@@ -1326,36 +1316,9 @@ export class TaskGraph extends DurableObject<Env> {
 		tool: string,
 		d: Partial<Omit<ToolStats, "nondeterministic">>,
 	): void {
-		const v = {
-			tool,
-			lookups: d.lookups ?? 0,
-			hits: d.hits ?? 0,
-			misses: d.misses ?? 0,
-			savedMs: d.savedMs ?? 0,
-			records: d.records ?? 0,
-			conflicts: d.conflicts ?? 0,
-			coalesced: d.coalesced ?? 0,
-			oracleChecks: d.oracleChecks ?? 0,
-			oracleMismatches: d.oracleMismatches ?? 0,
-		};
-		this.#db
-			.insert(toolStats)
-			.values(v)
-			.onConflictDoUpdate({
-				target: toolStats.tool,
-				set: {
-					lookups: sql`${toolStats.lookups} + ${v.lookups}`,
-					hits: sql`${toolStats.hits} + ${v.hits}`,
-					misses: sql`${toolStats.misses} + ${v.misses}`,
-					savedMs: sql`${toolStats.savedMs} + ${v.savedMs}`,
-					records: sql`${toolStats.records} + ${v.records}`,
-					conflicts: sql`${toolStats.conflicts} + ${v.conflicts}`,
-					coalesced: sql`${toolStats.coalesced} + ${v.coalesced}`,
-					oracleChecks: sql`${toolStats.oracleChecks} + ${v.oracleChecks}`,
-					oracleMismatches: sql`${toolStats.oracleMismatches} + ${v.oracleMismatches}`,
-				},
-			})
-			.run();
+		const v: Record<string, string | number> = { tool };
+		for (const k of TOOL_COUNTERS) v[k] = d[k] ?? 0;
+		this.#q.bumpTool.run(v);
 	}
 
 	#grantLease(state: string, ttlMs: number, at: number): Lease {
