@@ -49,13 +49,6 @@ export function prepareStatements(db: Db) {
 			.where(eq(nodes.id, p("id")))
 			.prepare(),
 
-		/** One more hit on a node: `{ id, at }`. */
-		countHit: db
-			.update(nodes)
-			.set({ hits: sql`${nodes.hits} + 1`, lastHitAt: sql`${p("at")}` })
-			.where(eq(nodes.id, p("id")))
-			.prepare(),
-
 		/** Adds to a tool's counters, creating its row: `{ tool, ...counters }`. */
 		bumpTool: db
 			.insert(toolStats)

@@ -164,6 +164,8 @@ export interface EdgeHit {
 const EXPIRED_LEASE_MEMORY_MS = 60 * 60 * 1000;
 /** How long after a change the task index in D1 is brought up to date. */
 const INDEX_FLUSH_DELAY_MS = 2000;
+/** Hits counted in memory before they are written regardless (see #countHit). */
+const MAX_PENDING_COUNTS = 4096;
 
 export class TaskGraph extends DurableObject<Env> {
 	#db: DrizzleSqliteDODatabase<typeof schema>;
@@ -178,6 +180,9 @@ export class TaskGraph extends DurableObject<Env> {
 	#budgets: Budgets | null = null;
 	#enforceDue = false;
 	#rollouts: RolloutRunner;
+	/** Counters not yet written: see #countHit. */
+	#pendingHits: EdgeHit[] = [];
+	#pendingMisses = new Map<string, number>();
 
 	constructor(ctx: DurableObjectState, env: Env) {
 		super(ctx, env);
@@ -224,7 +229,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const tool = input.call.tool;
 		if (this.#index.has(input.call.id)) {
 			const row = this.#q.node.get({ id: input.call.id })!;
-			this.#countHit(tool, row.id, row.execMs, at);
+			this.#countHit(tool, row.id, row.execMs);
 			this.#touch();
 			return ok(this.#storedHit(row));
 		}
@@ -287,7 +292,7 @@ export class TaskGraph extends DurableObject<Env> {
 				lease = this.#grantLease(snapshotState, input.leaseTtlMs, at);
 			this.#countRestore(snapshotState, at);
 		}
-		this.#bumpTool(tool, { lookups: 1, misses: 1 });
+		this.#countMiss(tool);
 		this.#touch();
 		return ok({
 			status: "miss",
@@ -440,7 +445,7 @@ export class TaskGraph extends DurableObject<Env> {
 		if (n === undefined || n.kind === "root") return null;
 		this.#remember(scope);
 		const row = this.#q.node.get({ id })!;
-		this.#countHit(row.tool!, id, row.execMs, now());
+		this.#countHit(row.tool!, id, row.execMs);
 		this.#touch();
 		return { hit: this.#storedHit(row), tool: row.tool! };
 	}
@@ -448,34 +453,8 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Serves edge hits' bookkeeping: the Worker answered them from its cache. */
 	async countHits(scope: Scope, hits: EdgeHit[]): Promise<void> {
 		this.#remember(scope);
-		const at = now();
-		// Aggregated: one statement for every node, one upsert per tool. A
-		// statement per hit made each batch a stall that responses waited on;
-		// the join parses the counts once and finds each node by its index.
-		const perNode: Record<string, number> = {};
-		const perTool = new Map<string, { hits: number; savedMs: number }>();
-		for (const h of hits) {
-			if (!this.#index.has(h.id)) continue;
-			perNode[h.id] = (perNode[h.id] ?? 0) + 1;
-			const t = perTool.get(h.tool) ?? { hits: 0, savedMs: 0 };
-			t.hits++;
-			t.savedMs += h.execMs;
-			perTool.set(h.tool, t);
-		}
-		if (perTool.size === 0) return;
-		const counts = JSON.stringify(perNode);
-		this.ctx.storage.transactionSync(() => {
-			this.#db.run(
-				sql`update ${nodes} set hits = hits + c.value, last_hit_at = ${at} from json_each(${counts}) as c where ${nodes.id} = c.key`,
-			);
-			for (const [tool, t] of perTool) {
-				this.#bumpTool(tool, {
-					lookups: t.hits,
-					hits: t.hits,
-					savedMs: t.savedMs,
-				});
-			}
-		});
+		this.#pendingHits.push(...hits);
+		this.#flushCounts();
 		this.#touch();
 	}
 
@@ -515,6 +494,7 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Counters for the task and for each tool; null when nothing was ever recorded. */
 	async stats(scope: Scope): Promise<TaskStats | null> {
 		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
+		this.#flushCounts();
 		const tools: Record<string, ToolStats> = {};
 		const total = {
 			lookups: 0,
@@ -598,6 +578,7 @@ export class TaskGraph extends DurableObject<Env> {
 	/** One page of the tree in creation order (parents before children). */
 	async graph(after: number, limit: number): Promise<GraphPage | null> {
 		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
+		this.#flushCounts();
 		const rows = this.#db
 			.select()
 			.from(nodes)
@@ -711,6 +692,7 @@ export class TaskGraph extends DurableObject<Env> {
 	async alarm(): Promise<void> {
 		this.#alarmAt = null;
 		const at = now();
+		this.#flushCounts();
 		this.#expireLeases(at);
 		if (this.#enforceDue) await this.#enforce(this.#budgetsOrDefault(), at);
 		if (this.#indexDirty) await this.#flushIndex(at);
@@ -789,9 +771,9 @@ export class TaskGraph extends DurableObject<Env> {
 				if (!blob) throw new Error(`output blob ${hit.outputKey} is missing`);
 				return blob.text();
 			},
-			countHit: (tool, id, execMs) => this.#countHit(tool, id, execMs, now()),
+			countHit: (tool, id, execMs) => this.#countHit(tool, id, execMs),
 			countRestore: (id) => this.#countRestore(id, now()),
-			countMiss: (tool) => this.#bumpTool(tool, { lookups: 1, misses: 1 }),
+			countMiss: (tool) => this.#countMiss(tool),
 			countCoalesced: (tool) =>
 				this.#bumpTool(tool, { lookups: 1, coalesced: 1 }),
 			countOracle: (tool, mismatch) =>
@@ -969,6 +951,7 @@ export class TaskGraph extends DurableObject<Env> {
 		at: number,
 	): Promise<{ snapshots: number; nodes: number; bytes: number }> {
 		this.#enforceDue = false;
+		this.#flushCounts();
 		const g = this.#evictionGraph();
 		const dropSnapshots = snapshotsToEvict(
 			g,
@@ -1307,9 +1290,65 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#index.get(id)!.snapshot = true;
 	}
 
-	#countHit(tool: string, id: string, execMs: number, at: number): void {
-		this.#q.countHit.run({ id, at });
-		this.#bumpTool(tool, { lookups: 1, hits: 1, savedMs: execMs });
+	/**
+	 * Hits and misses are counted in memory and written in one transaction
+	 * by the next alarm (within INDEX_FLUSH_DELAY_MS), batch of edge hits,
+	 * stats read or eviction: a lookup then writes nothing, so its answer
+	 * does not wait for a commit. What a crash loses is at most those seconds
+	 * of counters; no cached output depends on them.
+	 */
+	#countHit(tool: string, id: string, execMs: number): void {
+		this.#pendingHits.push({ id, tool, execMs });
+		if (this.#pendingHits.length >= MAX_PENDING_COUNTS) this.#flushCounts();
+	}
+
+	#countMiss(tool: string): void {
+		this.#pendingMisses.set(tool, (this.#pendingMisses.get(tool) ?? 0) + 1);
+	}
+
+	/** Writes the counted hits and misses: one statement for every node, one upsert per tool. */
+	#flushCounts(): void {
+		const hits = this.#pendingHits;
+		const misses = this.#pendingMisses;
+		if (hits.length === 0 && misses.size === 0) return;
+		this.#pendingHits = [];
+		this.#pendingMisses = new Map();
+		const at = now();
+		const perNode: Record<string, number> = {};
+		const perTool = new Map<
+			string,
+			{ hits: number; savedMs: number; misses: number }
+		>();
+		const tool = (name: string) => {
+			let t = perTool.get(name);
+			if (!t) perTool.set(name, (t = { hits: 0, savedMs: 0, misses: 0 }));
+			return t;
+		};
+		for (const h of hits) {
+			// A node evicted since its hit is not counted.
+			if (!this.#index.has(h.id)) continue;
+			perNode[h.id] = (perNode[h.id] ?? 0) + 1;
+			const t = tool(h.tool);
+			t.hits++;
+			t.savedMs += h.execMs;
+		}
+		for (const [name, n] of misses) tool(name).misses += n;
+		if (perTool.size === 0) return;
+		const counts = JSON.stringify(perNode);
+		this.ctx.storage.transactionSync(() => {
+			// The join parses the counts once and finds each node by its index.
+			this.#db.run(
+				sql`update ${nodes} set hits = hits + c.value, last_hit_at = ${at} from json_each(${counts}) as c where ${nodes.id} = c.key`,
+			);
+			for (const [name, t] of perTool) {
+				this.#bumpTool(name, {
+					lookups: t.hits + t.misses,
+					hits: t.hits,
+					misses: t.misses,
+					savedMs: t.savedMs,
+				});
+			}
+		});
 	}
 
 	#bumpTool(

@@ -1,5 +1,9 @@
 import { env } from "cloudflare:workers";
-import { abortAllDurableObjects } from "cloudflare:test";
+import {
+	abortAllDurableObjects,
+	runDurableObjectAlarm,
+	runInDurableObject,
+} from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
 import { callKey, childId, obsId } from "../../core/ids.ts";
 import {
@@ -326,6 +330,38 @@ describe("lookup and record", () => {
 			nodes.find((n: { args: { cmd?: string } | null }) => n.args?.cmd === cmd)
 				.hits;
 		expect([hits("git clone repo"), hits("patch foo.py")]).toEqual([5, 3]);
+	});
+
+	it("writes a lookup's counters in the next alarm, not in the lookup", async () => {
+		const t = taskApi(keys.trainer, "deferred");
+		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 40)] });
+		await t.lookup({ history: [], call: M1 }); // a hit, answered by the graph
+		await t.lookup({ history: [], call: M2 }); // a miss
+		const stub = env.TASK_GRAPH.get(
+			env.TASK_GRAPH.idFromName(`${keys.name}/deferred`),
+		);
+		const stored = () =>
+			runInDurableObject(stub, (_, state) => ({
+				tool: state.storage.sql
+					.exec("select lookups, hits, misses, saved_ms from tool_stats")
+					.toArray(),
+				hits: state.storage.sql
+					.exec(
+						"select hits from nodes where id = ?",
+						childId(ROOT_ID, callKey(M1)),
+					)
+					.one().hits,
+			}));
+		// The record wrote the tool's row; neither lookup has touched it yet.
+		expect(await stored()).toEqual({
+			tool: [{ lookups: 0, hits: 0, misses: 0, saved_ms: 0 }],
+			hits: 0,
+		});
+		expect(await runDurableObjectAlarm(stub)).toBe(true);
+		expect(await stored()).toEqual({
+			tool: [{ lookups: 2, hits: 1, misses: 1, saved_ms: 40 }],
+			hits: 1,
+		});
 	});
 
 	it("keeps every acknowledged record across a restart of the task graph", async () => {
