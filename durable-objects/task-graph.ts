@@ -436,6 +436,11 @@ export class TaskGraph extends DurableObject<Env> {
 		return ok({ state, results, conflicts });
 	}
 
+	/** Answers with nothing read or written: a round trip to a Durable Object. */
+	async ping(): Promise<true> {
+		return true;
+	}
+
 	/** The recorded result with this id, counted as a hit; null if none. */
 	async result(
 		scope: Scope,

@@ -24,6 +24,15 @@ app.get("/healthz", (c) => c.text("ok"));
 
 // Authentication first: the rate limit counts per key.
 app.use("/v1/*", authenticate, rateLimit);
+
+// Any key: a round trip to a Durable Object that reads and writes nothing.
+// Says the task graphs' namespace answers; the bench's floor for a call
+// that needs its task graph. The object is named outside every project's
+// `project/task` space, and is never indexed.
+app.get("/v1/health", async (c) => {
+	const probe = c.env.TASK_GRAPH.get(c.env.TASK_GRAPH.idFromName("health"));
+	return c.json({ ok: await probe.ping() });
+});
 app.route("/v1/projects", projects);
 app.route("/v1/keys", keys);
 app.route("/v1/hosts", hosts);

@@ -35,6 +35,16 @@ describe("authentication", () => {
 		expect(wrong.headers.get("www-authenticate")).toMatch(/Bearer/);
 	});
 
+	it("answers the deep health probe for any key, and only with one", async () => {
+		expectError(await api("GET", "/v1/health"), 401, "unauthorized");
+		for (const key of [ROOT_KEY, a.trainer, a.host, a.admin]) {
+			expect(await api("GET", "/v1/health", { key })).toMatchObject({
+				status: 200,
+				body: { ok: true },
+			});
+		}
+	});
+
 	it("serves the health probe without a key", async () => {
 		const r = await api("GET", "/healthz");
 		expect(r).toMatchObject({ status: 200, body: "ok" });
