@@ -61,6 +61,8 @@ export interface LocalStack {
 	persistTo: string;
 	/** The process id of `wrangler dev` (the leader of its process group). */
 	pid: number;
+	/** Where wrangler's DevTools inspector listens (`bench/profile.ts` uses it). */
+	inspectorPort: number;
 	/** Stops `wrangler dev` and everything it started. Idempotent. */
 	stop(): Promise<void>;
 }
@@ -325,6 +327,7 @@ export async function startLocalStack(
 			hostKey: keys.host,
 			persistTo,
 			pid: child.pid!,
+			inspectorPort,
 			stop,
 		};
 	} catch (err) {

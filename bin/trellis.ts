@@ -102,6 +102,7 @@ async function dev(argv: string[]): Promise<void> {
 Trellis is running at ${stack.url}
   project      ${stack.project}
   state        ${path.relative(process.cwd(), stack.persistTo) || "."}
+  inspector    ws://127.0.0.1:${stack.inspectorPort}/ws  (npx tsx bench/profile.ts --port ${stack.inspectorPort})
 
 export TRELLIS_URL=${stack.url}
 export TRELLIS_KEY=${stack.trainerKey}
