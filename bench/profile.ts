@@ -50,12 +50,19 @@ interface Profile {
 
 /** Sends DevTools protocol commands over one socket, one answer each. */
 async function inspector(url: string) {
-	const ws = new WebSocket(url);
+	// wrangler's inspector refuses a socket whose Origin is not local.
+	const ws = new WebSocket(url, { headers: { origin: "http://localhost" } });
 	type Answer = { result?: unknown; error?: unknown };
 	const waiting = new Map<number, (m: Answer) => void>();
 	let next = 0;
+	ws.binaryType = "arraybuffer";
+	const decoder = new TextDecoder();
 	ws.addEventListener("message", (e) => {
-		const m = JSON.parse(String(e.data));
+		const text =
+			typeof e.data === "string"
+				? e.data
+				: decoder.decode(e.data as ArrayBuffer);
+		const m = JSON.parse(text);
 		if (typeof m.id === "number" && waiting.has(m.id)) {
 			waiting.get(m.id)!(m);
 			waiting.delete(m.id);
@@ -63,9 +70,11 @@ async function inspector(url: string) {
 	});
 	await new Promise<void>((resolve, reject) => {
 		ws.addEventListener("open", () => resolve(), { once: true });
-		ws.addEventListener("error", (e) => reject(new Error(String(e))), {
-			once: true,
-		});
+		ws.addEventListener(
+			"error",
+			() => reject(new Error(`the inspector at ${url} refused the socket`)),
+			{ once: true },
+		);
 	});
 	return {
 		async send<T>(method: string, params: object = {}): Promise<T> {
