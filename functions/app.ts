@@ -6,14 +6,17 @@ export type Principal =
 	| { kind: "root" }
 	| { kind: "key"; keyId: string; project: string; role: Role };
 
+export type GraphStub = DurableObjectStub<
+	import("../durable-objects/task-graph.ts").TaskGraph
+>;
+
 export type AppEnv = {
 	Bindings: Env;
 	Variables: {
 		principal: Principal;
 		/** Set by the task middleware: the caller's project and the task in the path. */
 		scope: Scope;
-		graph: DurableObjectStub<
-			import("../durable-objects/task-graph.ts").TaskGraph
-		>;
+		/** Set by `graph(c)` (functions/auth.ts) when a handler first needs it. */
+		graph: GraphStub | undefined;
 	};
 };

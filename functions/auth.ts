@@ -16,10 +16,11 @@
  * cached, and a cache entry never outlives it.
  */
 import { createHash, timingSafeEqual } from "node:crypto";
+import type { Context } from "hono";
 import { createMiddleware } from "hono/factory";
 import { TaskName, type Role } from "../core/api.ts";
 import { now } from "../core/clock.ts";
-import type { AppEnv, Principal } from "./app.ts";
+import type { AppEnv, GraphStub, Principal } from "./app.ts";
 import { apiError } from "./errors.ts";
 
 /** How long an isolate trusts what D1 said about a key (see above). */
@@ -145,7 +146,7 @@ export function allow(roles: Role[], opts: { root?: boolean } = {}) {
 	});
 }
 
-/** Puts the caller's scope and the task's Durable Object stub on `c.var`. */
+/** Puts the caller's scope on `c.var`; `graph(c)` names its Durable Object. */
 export const taskScope = createMiddleware<AppEnv>(async (c, next) => {
 	const p = c.get("principal");
 	if (p.kind !== "key") {
@@ -163,13 +164,22 @@ export const taskScope = createMiddleware<AppEnv>(async (c, next) => {
 			`task: ${name.error.issues[0].message}`,
 		);
 	}
-	const scope = { project: p.project, task: name.data };
-	c.set("scope", scope);
-	c.set(
-		"graph",
-		c.env.TASK_GRAPH.get(
-			c.env.TASK_GRAPH.idFromName(`${p.project}/${name.data}`),
-		),
-	);
+	c.set("scope", { project: p.project, task: name.data });
 	await next();
 });
+
+/**
+ * The task's Durable Object stub, named on first use: a hit answered from
+ * the Worker's memory never names it.
+ */
+export function graph(c: Context<AppEnv>): GraphStub {
+	let stub = c.get("graph");
+	if (stub === undefined) {
+		const { project, task } = c.get("scope");
+		stub = c.env.TASK_GRAPH.get(
+			c.env.TASK_GRAPH.idFromName(`${project}/${task}`),
+		);
+		c.set("graph", stub);
+	}
+	return stub;
+}

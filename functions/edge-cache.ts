@@ -20,9 +20,11 @@ import type {
 const FLUSH_MS = 1000;
 const FLUSH_COUNT = 64;
 
+/** A hit as it is answered: its JSON, serialized once, and what counting it needs. */
 interface Entry {
-	hit: Hit;
+	json: string;
 	tool: string;
+	execMs: number;
 }
 
 let cache: LRUCache<string, Entry> | null = null;
@@ -31,7 +33,7 @@ function store(env: Env): LRUCache<string, Entry> {
 	cache ??= new LRUCache<string, Entry>({
 		maxSize: Number(env.EDGE_CACHE_BYTES),
 		// JavaScript strings take two bytes a code unit; the rest is overhead.
-		sizeCalculation: (e) => e.hit.output.length * 2 + 512,
+		sizeCalculation: (e) => e.json.length * 2 + 256,
 	});
 	return cache;
 }
@@ -47,15 +49,22 @@ export function cachedHit(
 	return store(env).get(cacheKey(scope, id));
 }
 
+/** Keeps a hit for this isolate to answer again; returns its JSON. */
 export function rememberHit(
 	env: Env,
 	scope: Scope,
 	tool: string,
 	hit: Hit,
-): void {
+): string {
+	const json = JSON.stringify(hit);
 	const maxSize = Number(env.EDGE_CACHE_BYTES);
-	if (hit.output.length * 2 + 512 > maxSize / 16) return;
-	store(env).set(cacheKey(scope, hit.id), { hit, tool });
+	if (json.length * 2 + 256 <= maxSize / 16)
+		store(env).set(cacheKey(scope, hit.id), {
+			json,
+			tool,
+			execMs: hit.execMs,
+		});
+	return json;
 }
 
 interface Pending {

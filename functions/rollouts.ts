@@ -7,7 +7,7 @@ import { Hono } from "hono";
 import { LIMITS } from "../core/api.ts";
 import { OpenRolloutRequest, RolloutCallRequest } from "../core/managed-api.ts";
 import type { AppEnv } from "./app.ts";
-import { allow, taskScope } from "./auth.ts";
+import { allow, graph, taskScope } from "./auth.ts";
 import { apiError, unwrap } from "./errors.ts";
 import { jsonBody, valid } from "./validate.ts";
 
@@ -22,9 +22,7 @@ rollouts.post(
 	jsonBody(LIMITS.adminBody),
 	valid("json", OpenRolloutRequest),
 	async (c) => {
-		const r = await c
-			.get("graph")
-			.openRollout(c.get("scope"), c.req.valid("json"));
+		const r = await graph(c).openRollout(c.get("scope"), c.req.valid("json"));
 		return c.json(unwrap(r), 201);
 	},
 );
@@ -36,9 +34,11 @@ rollouts.post(
 	jsonBody(LIMITS.lookupBody),
 	valid("json", RolloutCallRequest),
 	async (c) => {
-		const r = await c
-			.get("graph")
-			.rolloutCall(c.get("scope"), c.req.param("rollout"), c.req.valid("json"));
+		const r = await graph(c).rolloutCall(
+			c.get("scope"),
+			c.req.param("rollout"),
+			c.req.valid("json"),
+		);
 		if (!r.ok && r.status === 503) {
 			throw apiError(503, r.code, r.message, { "Retry-After": "5" });
 		}
@@ -49,11 +49,9 @@ rollouts.post(
 );
 
 rollouts.get("/:task/rollouts/:rollout", taskScope, trainer, async (c) => {
-	return c.json(unwrap(await c.get("graph").rollout(c.req.param("rollout"))));
+	return c.json(unwrap(await graph(c).rollout(c.req.param("rollout"))));
 });
 
 rollouts.delete("/:task/rollouts/:rollout", taskScope, trainer, async (c) => {
-	return c.json(
-		unwrap(await c.get("graph").closeRollout(c.req.param("rollout"))),
-	);
+	return c.json(unwrap(await graph(c).closeRollout(c.req.param("rollout"))));
 });

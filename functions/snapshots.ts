@@ -12,7 +12,7 @@
 import { Hono } from "hono";
 import { Id, LIMITS, type SnapshotRef } from "../core/api.ts";
 import type { AppEnv } from "./app.ts";
-import { allow, taskScope } from "./auth.ts";
+import { allow, graph, taskScope } from "./auth.ts";
 import { apiError } from "./errors.ts";
 
 export const snapshots = new Hono<AppEnv>();
@@ -119,7 +119,7 @@ snapshots.get("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	const { project, task } = c.get("scope");
 	// The blob the state's node points at; before any record points at one,
 	// the latest upload for the state.
-	let key = await c.get("graph").snapshotKey(state);
+	let key = await graph(c).snapshotKey(state);
 	if (key === null) {
 		const listed = await c.env.BLOBS.list({
 			prefix: blobPrefix(project, task, state),

@@ -3,7 +3,7 @@
  * and the graph export. The task graph Durable Object is named here, from the
  * authenticated project and the task in the path, never from the client.
  */
-import { Hono } from "hono";
+import { Hono, type Context } from "hono";
 import {
 	GraphQuery,
 	Id,
@@ -30,7 +30,7 @@ import {
 import type { Result } from "../core/result.ts";
 import type { StoredHit } from "../durable-objects/task-graph.ts";
 import type { AppEnv } from "./app.ts";
-import { allow, taskScope as task } from "./auth.ts";
+import { allow, graph, taskScope as task } from "./auth.ts";
 import {
 	cachedHit,
 	countEdgeHit,
@@ -72,12 +72,20 @@ async function materialize(env: Env, h: StoredHit): Promise<Hit> {
 	};
 }
 
-function timing(start: number, parts: Record<string, number>): string {
+/** `Server-Timing`: where the request went (edge or graph), and the total. */
+function timing(
+	start: number,
+	part: { edge: number } | { graph: number },
+): string {
+	const [name, ms] =
+		"edge" in part ? ["edge", part.edge] : ["graph", part.graph];
 	const total = performance.now() - start;
-	return [
-		...Object.entries(parts).map(([k, v]) => `${k};dur=${v.toFixed(2)}`),
-		`total;dur=${total.toFixed(2)}`,
-	].join(", ");
+	return `${name};dur=${ms.toFixed(2)}, total;dur=${total.toFixed(2)}`;
+}
+
+/** A JSON answer already serialized (an edge hit's). */
+function json(c: Context<AppEnv>, body: string): Response {
+	return c.body(body, 200, { "Content-Type": "application/json" });
 }
 
 tasks.get(
@@ -143,20 +151,20 @@ tasks.post(
 			const batch = countEdgeHit(scope, {
 				id,
 				tool: edge.tool,
-				execMs: edge.hit.execMs,
+				execMs: edge.execMs,
 			});
-			if (batch) c.executionCtx.waitUntil(sendPending(c.get("graph"), batch));
+			if (batch) c.executionCtx.waitUntil(sendPending(graph(c), batch));
 			c.header(
 				"Server-Timing",
 				timing(start, { edge: performance.now() - start }),
 			);
-			return c.json(edge.hit satisfies LookupResponse);
+			return json(c, edge.json);
 		}
 
 		const t0 = performance.now();
 		// RPC's serializable-type mapping erases `args: unknown`; the shape is the method's.
 		const r = unwrap(
-			(await c.get("graph").lookup(scope, {
+			(await graph(c).lookup(scope, {
 				call: { ...call, id },
 				path,
 				cursor: req.cursor,
@@ -165,15 +173,12 @@ tasks.post(
 			})) as Result<StoredHit | Miss>,
 		);
 		const graphMs = performance.now() - t0;
-		let body: LookupResponse;
-		if (r.status === "hit") {
-			body = await materialize(c.env, r);
-			rememberHit(c.env, scope, call.tool, body);
-		} else {
-			body = r;
-		}
 		c.header("Server-Timing", timing(start, { graph: graphMs }));
-		return c.json(body);
+		if (r.status === "hit") {
+			const hit = await materialize(c.env, r);
+			return json(c, rememberHit(c.env, scope, call.tool, hit));
+		}
+		return c.json(r satisfies LookupResponse);
 	},
 );
 
@@ -191,17 +196,16 @@ tasks.get("/:task/results/:id", task, trainer, async (c) => {
 		const batch = countEdgeHit(scope, {
 			id: id.data,
 			tool: edge.tool,
-			execMs: edge.hit.execMs,
+			execMs: edge.execMs,
 		});
-		if (batch) c.executionCtx.waitUntil(sendPending(c.get("graph"), batch));
-		return c.json(edge.hit);
+		if (batch) c.executionCtx.waitUntil(sendPending(graph(c), batch));
+		return json(c, edge.json);
 	}
-	const r = await c.get("graph").result(scope, id.data);
+	const r = await graph(c).result(scope, id.data);
 	if (r === null)
 		throw apiError(404, "not_found", "no result with this id is recorded");
 	const hit = await materialize(c.env, r.hit);
-	rememberHit(c.env, scope, r.tool, hit);
-	return c.json(hit);
+	return json(c, rememberHit(c.env, scope, r.tool, hit));
 });
 
 tasks.post(
@@ -232,7 +236,7 @@ tasks.post(
 		const refused = await quotaError(c.env, scope.project, scope.task, budgets);
 		if (refused) throw apiError(403, "quota_exceeded", refused);
 		const steps = pathIds(req.calls, req.from);
-		const recorded = await c.get("graph").record(c.get("scope"), {
+		const recorded = await graph(c).record(c.get("scope"), {
 			from: req.from,
 			calls: req.calls.map((call, i) => ({
 				tool: call.tool,
@@ -256,8 +260,7 @@ tasks.post(
 		const r = unwrap(recorded);
 		// The graph computes the final state the same way; say so if it ever does not.
 		const want = steps.findLast((s) => s.mutates)?.id ?? req.from;
-		if (r.state !== want)
-			throw new Error("final state mismatch");
+		if (r.state !== want) throw new Error("final state mismatch");
 		return c.json(r);
 	},
 );
@@ -271,9 +274,11 @@ tasks.post(
 	async (c) => {
 		const { state, ttlMs } = c.req.valid("json");
 		const lease = unwrap(
-			await c
-				.get("graph")
-				.acquireLease(c.get("scope"), state, leaseTtl(c.env, ttlMs)),
+			await graph(c).acquireLease(
+				c.get("scope"),
+				state,
+				leaseTtl(c.env, ttlMs),
+			),
 		);
 		return c.json(lease, 201);
 	},
@@ -288,18 +293,14 @@ tasks.post(
 	async (c) => {
 		const { ttlMs } = c.req.valid("json");
 		const lease = unwrap(
-			await c
-				.get("graph")
-				.renewLease(c.req.param("lease"), leaseTtl(c.env, ttlMs)),
+			await graph(c).renewLease(c.req.param("lease"), leaseTtl(c.env, ttlMs)),
 		);
 		return c.json(lease);
 	},
 );
 
 tasks.delete("/:task/leases/:lease", task, trainer, async (c) => {
-	return c.json(
-		unwrap(await c.get("graph").releaseLease(c.req.param("lease"))),
-	);
+	return c.json(unwrap(await graph(c).releaseLease(c.req.param("lease"))));
 });
 
 tasks.get(
@@ -308,8 +309,8 @@ tasks.get(
 	allow(["trainer", "host", "admin"]),
 	async (c) => {
 		const scope = c.get("scope");
-		await sendPending(c.get("graph"), takePending(scope));
-		const stats = await c.get("graph").stats(scope);
+		await sendPending(graph(c), takePending(scope));
+		const stats = await graph(c).stats(scope);
 		if (stats === null)
 			throw apiError(404, "task_not_found", "this task has nothing recorded");
 		return c.json(stats);
@@ -323,7 +324,7 @@ tasks.get(
 	valid("query", GraphQuery),
 	async (c) => {
 		const { after, limit } = c.req.valid("query");
-		const page = await c.get("graph").graph(after ?? 0, limit);
+		const page = await graph(c).graph(after ?? 0, limit);
 		if (page === null)
 			throw apiError(404, "task_not_found", "this task has nothing recorded");
 		return c.json(page);
