@@ -42,6 +42,22 @@ export function prepareStatements(db: Db) {
 			.where(eq(nodes.id, p("id")))
 			.prepare(),
 
+		/** What answering a hit needs of a node, and no more: `{ id }`. */
+		hit: db
+			.select({
+				id: nodes.id,
+				kind: nodes.kind,
+				parentId: nodes.parentId,
+				tool: nodes.tool,
+				output: nodes.output,
+				outputKey: nodes.outputKey,
+				exitCode: nodes.exitCode,
+				execMs: nodes.execMs,
+			})
+			.from(nodes)
+			.where(eq(nodes.id, p("id")))
+			.prepare(),
+
 		/** A held call's identity, for replay: `{ id }`. */
 		call: db
 			.select({ tool: nodes.tool, args: nodes.args })
