@@ -264,6 +264,15 @@ export class DockerEngine {
 		} catch (err) {
 			if (err instanceof DockerError && err.status === 404) return true;
 			if (err instanceof DockerError && err.status === 409) return false;
+			// Two sandboxes restored from one archive share its image id; when
+			// both stop at once, the engine answers the loser of the race with
+			// a 500 instead of a 404. The image is gone either way.
+			if (
+				err instanceof DockerError &&
+				err.status === 500 &&
+				/unrecognized image ID|no such image/i.test(err.message)
+			)
+				return true;
 			throw err;
 		}
 	}

@@ -375,3 +375,42 @@ describe.skipIf(skip)("DockerSandbox", () => {
 		expect(f.mutates({ tool: "sql", args: "select 1" })).toBe(true);
 	});
 });
+
+// A fault the real engine produces only when two deletes of one image race:
+// the loser gets a 500 instead of a 404. A stand-in engine on a Unix socket
+// answers each delete with one of the engine's own replies.
+describe("DockerEngine.removeImage against the engine's refusals", () => {
+	it("counts a racing delete's 500 and a 404 as gone, and keeps an image in use (409)", async () => {
+		const { createServer } = await import("node:http");
+		const { mkdtemp, rm } = await import("node:fs/promises");
+		const { tmpdir } = await import("node:os");
+		const replies: Record<string, [number, string]> = {
+			raced: [500, "unrecognized image ID sha256:1811752997e5"],
+			gone: [404, "No such image: gone:latest"],
+			used: [409, "conflict: unable to remove repository reference"],
+			broken: [500, "driver failed removing layer"],
+		};
+		const server = createServer((req, res) => {
+			const name = decodeURIComponent(req.url!.split("/images/")[1] ?? "");
+			const [status, message] = replies[name] ?? [200, ""];
+			res.writeHead(status, { "content-type": "application/json" });
+			res.end(JSON.stringify(status === 200 ? [] : { message }));
+		});
+		const dir = await mkdtemp(path.join(tmpdir(), "trellis-fake-engine-"));
+		const socket = path.join(dir, "docker.sock");
+		await new Promise<void>((r) => server.listen(socket, r));
+		try {
+			const fake = new DockerEngine(socket);
+			expect(await fake.removeImage("raced")).toBe(true);
+			expect(await fake.removeImage("gone")).toBe(true);
+			expect(await fake.removeImage("used")).toBe(false);
+			expect(await fake.removeImage("removed")).toBe(true);
+			await expect(fake.removeImage("broken")).rejects.toThrow(
+				/driver failed removing layer \(500\)/,
+			);
+		} finally {
+			server.close();
+			await rm(dir, { recursive: true, force: true });
+		}
+	});
+});
