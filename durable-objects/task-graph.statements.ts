@@ -26,7 +26,6 @@ export const TOOL_COUNTERS = [
 	"oracleChecks",
 	"oracleMismatches",
 ] as const;
-export type ToolCounter = (typeof TOOL_COUNTERS)[number];
 
 const p = (name: string) => sql.placeholder(name);
 /** `excluded.<column>` of an upsert: the value the insert tried to write. */
@@ -38,22 +37,6 @@ export function prepareStatements(db: Db) {
 		/** The whole row of a node: `{ id }`. */
 		node: db
 			.select()
-			.from(nodes)
-			.where(eq(nodes.id, p("id")))
-			.prepare(),
-
-		/** What answering a hit needs of a node, and no more: `{ id }`. */
-		hit: db
-			.select({
-				id: nodes.id,
-				kind: nodes.kind,
-				parentId: nodes.parentId,
-				tool: nodes.tool,
-				output: nodes.output,
-				outputKey: nodes.outputKey,
-				exitCode: nodes.exitCode,
-				execMs: nodes.execMs,
-			})
 			.from(nodes)
 			.where(eq(nodes.id, p("id")))
 			.prepare(),

@@ -228,7 +228,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const at = now();
 		const tool = input.call.tool;
 		if (this.#index.has(input.call.id)) {
-			const row = this.#q.hit.get({ id: input.call.id })!;
+			const row = this.#q.node.get({ id: input.call.id })!;
 			this.#countHit(tool, row.id, row.execMs);
 			this.#touch();
 			return ok(this.#storedHit(row));
@@ -449,7 +449,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const n = this.#index.get(id);
 		if (n === undefined || n.kind === "root") return null;
 		this.#remember(scope);
-		const row = this.#q.hit.get({ id })!;
+		const row = this.#q.node.get({ id })!;
 		this.#countHit(row.tool!, id, row.execMs);
 		this.#touch();
 		return { hit: this.#storedHit(row), tool: row.tool! };
@@ -763,7 +763,7 @@ export class TaskGraph extends DurableObject<Env> {
 			stored: (id) => {
 				const n = this.#index.get(id);
 				if (n === undefined || n.kind === "root") return null;
-				const row = this.#q.hit.get({ id })!;
+				const row = this.#q.node.get({ id })!;
 				return { hit: this.#storedHit(row), tool: row.tool! };
 			},
 			output: async (hit) => {
@@ -1245,18 +1245,7 @@ export class TaskGraph extends DurableObject<Env> {
 		});
 	}
 
-	#storedHit(
-		row: Pick<
-			typeof nodes.$inferSelect,
-			| "id"
-			| "kind"
-			| "parentId"
-			| "output"
-			| "outputKey"
-			| "exitCode"
-			| "execMs"
-		>,
-	): StoredHit {
+	#storedHit(row: typeof nodes.$inferSelect): StoredHit {
 		return {
 			status: "hit",
 			tier: "exact",
