@@ -11,7 +11,11 @@
  *    - hit (id):      `GET results/:id`, the same hit by its result id;
  *    each open loop (see loadgen.ts), with a warm-up that is not recorded. A
  *    lookup that is not the recorded hit (a miss, another id, another
- *    output) is an error.
+ *    output) is an error. A record fills the Worker's edge cache, so these
+ *    are edge hits; with --no-edge-cache the stack runs with that cache
+ *    off (`EDGE_CACHE_BYTES=0`), every hit is the task graph's, and a
+ *    "graph floor" (`GET /v1/health`, one Durable Object round trip) runs
+ *    beside the floor at each rate.
  * 3. Miss + record: one at a time at a modest rate, a lookup of a call never
  *    seen under a recorded prefix (a miss) followed by its record; the pair's
  *    latency. Two sequential `/healthz` at the same pace give its floor, two
@@ -26,6 +30,7 @@
  *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
  *        --direct (bypass wrangler's dev proxy; see directUrl)
  *        --snapshot (run the Worker from a copy of HEAD; see startTarget)
+ *        --no-edge-cache (hits from the task graph only; see above)
  *        --retries 2 (re-runs of a rate disturbed by other load)
  */
 import {
@@ -84,6 +89,7 @@ const { values: flags } = parseArgs({
 		direct: { type: "boolean", default: false },
 		snapshot: { type: "boolean", default: false },
 		retries: { type: "string" },
+		"no-edge-cache": { type: "boolean", default: false },
 	},
 	strict: true,
 });
@@ -116,6 +122,7 @@ const opts = {
 	seed: Math.floor(num(flags.seed, 1, "seed")),
 	direct: flags.direct,
 	snapshot: flags.snapshot,
+	noEdgeCache: flags["no-edge-cache"],
 	/** Re-runs of a rate whose runs saw other load on the machine. */
 	retries:
 		flags.retries === undefined
@@ -128,19 +135,30 @@ const opts = {
 		flags.out ??
 		(quick
 			? "bench/results/lookup-quick.json.tmp"
-			: `bench/results/lookup${flags.direct ? "-direct" : ""}.json`),
+			: `bench/results/lookup${variant()}.json`),
 	chart:
 		flags.chart ??
 		(quick
 			? "bench/results/lookup-quick.svg.tmp"
-			: `docs/benchmarks-lookup${flags.direct ? "-direct" : ""}.svg`),
+			: `docs/benchmarks-lookup${variant()}.svg`),
 };
+
+/** The results' file name suffix: which stack and which path was measured. */
+function variant(): string {
+	return (
+		(flags.direct ? "-direct" : "") +
+		(flags["no-edge-cache"] ? "-no-edge" : "")
+	);
+}
 if ((flags.url === undefined) !== (flags.key === undefined)) {
 	throw new Error("give both --url and --key (a trainer key), or neither");
 }
-if ((flags.direct || flags.snapshot) && flags.url !== undefined) {
+if (
+	(flags.direct || flags.snapshot || flags["no-edge-cache"]) &&
+	flags.url !== undefined
+) {
 	throw new Error(
-		"--direct and --snapshot apply to the local stack, not --url",
+		"--direct, --snapshot and --no-edge-cache apply to the local stack, not --url",
 	);
 }
 
@@ -416,7 +434,11 @@ async function startTarget(): Promise<Target> {
 	};
 	let stack: Awaited<ReturnType<typeof startLocalStack>>;
 	try {
-		stack = await startLocalStack({ persistTo, quiet: true });
+		stack = await startLocalStack({
+			persistTo,
+			quiet: true,
+			vars: opts.noEdgeCache ? { EDGE_CACHE_BYTES: "0" } : undefined,
+		});
 	} catch (err) {
 		removeCopy();
 		rmSync(persistTo, { recursive: true, force: true });
@@ -569,7 +591,14 @@ async function populate(
  * way but skips the JSON body and its validation; it is here to show what
  * a cheaper hit route would buy.
  */
-type Route = "floor" | "hit (history)" | "hit (cursor)" | "hit (id)";
+type Route =
+	| "floor"
+	| "graph floor"
+	| "hit (history)"
+	| "hit (cursor)"
+	| "hit (id)";
+
+const isFloor = (r: Route) => r === "floor" || r === "graph floor";
 
 interface RouteRun extends LoadResult {
 	route: Route;
@@ -639,6 +668,15 @@ async function runRoute(
 			method: "GET",
 			path: "/healthz",
 			check: (b) => (b === "ok" ? null : `healthz said ${b.slice(0, 80)}`),
+		};
+		request = () => spec;
+	} else if (route === "graph floor") {
+		const spec: RequestSpec = {
+			method: "GET",
+			path: "/v1/health",
+			headers: auth,
+			check: (b) =>
+				b === '{"ok":true}' ? null : `health said ${b.slice(0, 80)}`,
 		};
 		request = () => spec;
 	} else {
@@ -721,7 +759,7 @@ async function runRoute(
 		settleMs,
 		restarted,
 	};
-	return route === "floor"
+	return isFloor(route)
 		? common
 		: {
 				...common,
@@ -995,15 +1033,19 @@ function judge(runs: RouteRun[]): Line[] {
 			floor !== undefined &&
 			floor.achievedRate >= TARGET.sustained * floor.targetRate;
 		const ratio =
-			r.route !== "floor" && floor && floor.latencyUs.p50 > 0
+			!isFloor(r.route) && floor && floor.latencyUs.p50 > 0
 				? r.latencyUs.p50 / floor.latencyUs.p50
 				: null;
+		const graphFloor = runs.find(
+			(f) => f.route === "graph floor" && f.targetRate === r.targetRate,
+		);
 		const notes: string[] = [];
 		let pass = r.errors === 0 && !r.restarted;
 		if (r.restarted) notes.push("INVALID: the Worker restarted mid-run");
 		if (r.errors > 0) notes.push(`${r.errors} errors`);
-		if (r.route === "floor") {
-			if (!sustained) notes.push("floor not sustained");
+		if (isFloor(r.route)) {
+			if (r.achievedRate < TARGET.sustained * r.targetRate)
+				notes.push("floor not sustained");
 		} else if (!sustained) {
 			notes.push("ratio not judged: floor not sustained");
 		} else if (ratio !== null && ratio > TARGET.hitOverFloor) {
@@ -1018,6 +1060,10 @@ function judge(runs: RouteRun[]): Line[] {
 			// Only the lookup route says where a hit came from.
 			const n = r.sources.edge + r.sources.graph;
 			if (n > 0) notes.push(`${Math.round((100 * r.sources.edge) / n)}% edge`);
+		}
+		if (!isFloor(r.route) && graphFloor && graphFloor.latencyUs.p50 > 0) {
+			const g = r.latencyUs.p50 / graphFloor.latencyUs.p50;
+			notes.push(`${g.toFixed(2)}x graph floor`);
 		}
 		lines.push({
 			rate: r.targetRate,
@@ -1197,7 +1243,9 @@ try {
 		`recorded ${paths.length} paths in ${(pop.ms / 1000).toFixed(1)} s ` +
 			`(${pop.rate.toFixed(0)} records/s)\n`,
 	);
-	const routes: Route[] = ["floor", "hit (history)"];
+	const routes: Route[] = ["floor"];
+	if (opts.noEdgeCache) routes.push("graph floor");
+	routes.push("hit (history)");
 	if (opts.cursor) routes.push("hit (cursor)");
 	if (opts.idRoute) routes.push("hit (id)");
 	const runs: RouteRun[] = [];

@@ -1,8 +1,15 @@
 /**
  * Hits served from the Worker's own memory. A recorded output never changes
- * (invariant 3), so once the task graph has answered a hit, this isolate may
- * answer the same result id again without asking it. Authorization is still
- * checked on every request, before this cache is read.
+ * (invariant 3), so once the task graph has answered a hit, or has recorded a
+ * new node through this isolate, this isolate may answer the same result id
+ * again without asking it. Authorization is still checked on every request,
+ * before this cache is read. `EDGE_CACHE_BYTES` bounds it; 0 turns it off.
+ *
+ * An entry lives at most {@link EDGE_TTL_MS}, and less than half of
+ * `IDLE_TASK_TTL_MS`: a task deleted for being idle was last used (recorded
+ * or looked up, at the edge too: those hits are counted) longer ago than
+ * that, so no isolate still answers for it. A node evicted from its graph
+ * for budgets can still be answered here until its entry expires.
  *
  * The task graph still counts these hits: they are batched per task and sent
  * off the hot path, so its stats lag by at most FLUSH_MS while traffic flows.
@@ -20,20 +27,30 @@ import type {
 const FLUSH_MS = 1000;
 const FLUSH_COUNT = 64;
 
+/** The longest an isolate answers a hit without asking its task graph. */
+export const EDGE_TTL_MS = 3_600_000;
+
 /** A hit as it is answered: its JSON, serialized once, and what counting it needs. */
 interface Entry {
 	json: string;
 	tool: string;
 	execMs: number;
+	/** When this isolate stops answering it (core/clock.ts time). */
+	expires: number;
 }
 
 let cache: LRUCache<string, Entry> | null = null;
 
-function store(env: Env): LRUCache<string, Entry> {
+/** JavaScript strings take two bytes a code unit; the rest is overhead. */
+const entrySize = (json: string) => json.length * 2 + 256;
+
+/** The isolate's cache, or null when `EDGE_CACHE_BYTES` is 0. */
+function store(env: Env): LRUCache<string, Entry> | null {
+	const maxSize = Number(env.EDGE_CACHE_BYTES);
+	if (!(maxSize > 0)) return null;
 	cache ??= new LRUCache<string, Entry>({
-		maxSize: Number(env.EDGE_CACHE_BYTES),
-		// JavaScript strings take two bytes a code unit; the rest is overhead.
-		sizeCalculation: (e) => e.json.length * 2 + 256,
+		maxSize,
+		sizeCalculation: (e) => entrySize(e.json),
 	});
 	return cache;
 }
@@ -46,7 +63,14 @@ export function cachedHit(
 	scope: Scope,
 	id: string,
 ): Entry | undefined {
-	return store(env).get(cacheKey(scope, id));
+	const s = store(env);
+	const key = cacheKey(scope, id);
+	const e = s?.get(key);
+	if (e && e.expires <= now()) {
+		s!.delete(key);
+		return undefined;
+	}
+	return e;
 }
 
 /** Keeps a hit for this isolate to answer again; returns its JSON. */
@@ -57,14 +81,43 @@ export function rememberHit(
 	hit: Hit,
 ): string {
 	const json = JSON.stringify(hit);
-	const maxSize = Number(env.EDGE_CACHE_BYTES);
-	if (json.length * 2 + 256 <= maxSize / 16)
-		store(env).set(cacheKey(scope, hit.id), {
-			json,
-			tool,
-			execMs: hit.execMs,
-		});
+	keep(env, scope, tool, hit, json);
 	return json;
+}
+
+/**
+ * Keeps a hit that a record has just created, for its first lookup. Nothing
+ * answers with it now, so an output too large to keep is never serialized.
+ */
+export function rememberRecorded(
+	env: Env,
+	scope: Scope,
+	tool: string,
+	hit: Hit,
+): void {
+	const s = store(env);
+	// The JSON is longer than the output alone.
+	if (s && entrySize(hit.output) <= s.maxSize / 16)
+		keep(env, scope, tool, hit, JSON.stringify(hit));
+}
+
+function keep(
+	env: Env,
+	scope: Scope,
+	tool: string,
+	hit: Hit,
+	json: string,
+): void {
+	const s = store(env);
+	// One output never takes more than a sixteenth of the cache.
+	if (!s || entrySize(json) > s.maxSize / 16) return;
+	const ttl = Math.min(EDGE_TTL_MS, Number(env.IDLE_TASK_TTL_MS) / 2);
+	s.set(cacheKey(scope, hit.id), {
+		json,
+		tool,
+		execMs: hit.execMs,
+		expires: now() + ttl,
+	});
 }
 
 interface Pending {

@@ -35,6 +35,7 @@ import {
 	cachedHit,
 	countEdgeHit,
 	rememberHit,
+	rememberRecorded,
 	sendPending,
 	takePending,
 } from "./edge-cache.ts";
@@ -261,6 +262,23 @@ tasks.post(
 		// The graph computes the final state the same way; say so if it ever does not.
 		const want = steps.findLast((s) => s.mutates)?.id ?? req.from;
 		if (r.state !== want) throw new Error("final state mismatch");
+		// A node this record created holds exactly what it sent, and never
+		// changes: the next lookup of it, a sibling rollout's, is an edge hit.
+		// An `exists` or `conflict` keeps what the graph had; not known here.
+		for (const [i, result] of r.results.entries()) {
+			if (result.status !== "recorded") continue;
+			const call = req.calls[i];
+			const step = steps[i];
+			rememberRecorded(c.env, scope, call.tool, {
+				status: "hit",
+				tier: "exact",
+				id: step.id,
+				state: step.mutates ? step.id : step.state,
+				output: call.output,
+				exitCode: call.exitCode,
+				execMs: call.execMs,
+			});
+		}
 		return c.json(r);
 	},
 );

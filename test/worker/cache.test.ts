@@ -5,8 +5,11 @@ import {
 	runInDurableObject,
 } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
+import { advanceClock } from "../../core/clock.ts";
 import { callKey, childId, obsId } from "../../core/ids.ts";
+import { EDGE_TTL_MS } from "../../functions/edge-cache.ts";
 import {
+	NO_EDGE,
 	ROOT_ID,
 	bash,
 	expectError,
@@ -305,7 +308,11 @@ describe("lookup and record", () => {
 
 	it("serves repeated hits from the Worker's memory and still counts them", async () => {
 		const t = taskApi(keys.trainer, "edge");
-		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 250)] });
+		// Recorded with the edge cache off: the first hit is the graph's.
+		await taskApi(keys.trainer, "edge", NO_EDGE).record({
+			from: ROOT_ID,
+			calls: [run(M1, "a", 250)],
+		});
 		const first = await t.lookup({ history: [], call: M1 });
 		expect(first.headers.get("server-timing")).toMatch(/^graph;/);
 		const second = await t.lookup({ history: [], call: M1 });
@@ -315,6 +322,59 @@ describe("lookup and record", () => {
 		expect(stats.hits).toBe(2);
 		expect(stats.savedMs).toBe(500);
 		expect(stats.tools.bash).toMatchObject({ lookups: 2, hits: 2, misses: 0 });
+	});
+
+	it("answers the first lookup of what it recorded from memory, as the graph would", async () => {
+		const t = taskApi(keys.trainer, "edge-record");
+		const viaGraph = taskApi(keys.trainer, "edge-record-graph", NO_EDGE);
+		const calls = [run(M1, "a", 30), run(R1, "b", 20, 1), run(M2, "c", 10)];
+		await t.record({ from: ROOT_ID, calls });
+		await viaGraph.record({ from: ROOT_ID, calls });
+		for (const [history, call] of [
+			[[], M1],
+			[[M1], R1],
+			[[M1, R1], M2],
+		] as const) {
+			const edge = await t.lookup({ history, call });
+			expect(edge.headers.get("server-timing")).toMatch(/^edge;/);
+			const graph = await viaGraph.lookup({ history, call });
+			expect(graph.headers.get("server-timing")).toMatch(/^graph;/);
+			// The same answer, to the byte, whichever part gave it.
+			expect(JSON.stringify(edge.body)).toBe(JSON.stringify(graph.body));
+		}
+		const stats = (await t.stats()).body;
+		expect(stats).toMatchObject({ lookups: 3, hits: 3, savedMs: 60 });
+	});
+
+	it("keeps the first output at the edge when a record conflicts with it", async () => {
+		const t = taskApi(keys.trainer, "edge-conflict");
+		await t.record({ from: ROOT_ID, calls: [run(M1, "first", 5)] });
+		const again = await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "second", 7)],
+		});
+		expect(again.body.results[0].status).toBe("conflict");
+		const same = await t.record({
+			from: ROOT_ID,
+			calls: [run(M1, "first", 9)],
+		});
+		expect(same.body.results[0].status).toBe("exists");
+		const hit = await t.lookup({ history: [], call: M1 });
+		expect(hit.headers.get("server-timing")).toMatch(/^edge;/);
+		expect(hit.body).toMatchObject({ output: "first", execMs: 5 });
+		expect((await t.result(hit.body.id)).body).toEqual(hit.body);
+	});
+
+	it("stops answering from memory once the task is idle long enough to be deleted", async () => {
+		const t = taskApi(keys.trainer, "edge-ttl");
+		await t.record({ from: ROOT_ID, calls: [run(M1, "a")] });
+		expect(
+			(await t.lookup({ history: [], call: M1 })).headers.get("server-timing"),
+		).toMatch(/^edge;/);
+		advanceClock(Math.min(EDGE_TTL_MS, Number(env.IDLE_TASK_TTL_MS) / 2) + 1);
+		const later = await t.lookup({ history: [], call: M1 });
+		expect(later.headers.get("server-timing")).toMatch(/^graph;/);
+		expect(later.body).toMatchObject({ status: "hit", output: "a" });
 	});
 
 	it("counts a batch of edge hits per node and per tool, several to a node", async () => {
@@ -334,7 +394,10 @@ describe("lookup and record", () => {
 
 	it("writes a lookup's counters in the next alarm, not in the lookup", async () => {
 		const t = taskApi(keys.trainer, "deferred");
-		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 40)] });
+		await taskApi(keys.trainer, "deferred", NO_EDGE).record({
+			from: ROOT_ID,
+			calls: [run(M1, "a", 40)],
+		});
 		await t.lookup({ history: [], call: M1 }); // a hit, answered by the graph
 		await t.lookup({ history: [], call: M2 }); // a miss
 		const stub = env.TASK_GRAPH.get(

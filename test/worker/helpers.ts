@@ -1,6 +1,11 @@
 /** Requests against the Worker under test, with a project and keys per test file. */
-import { exports } from "cloudflare:workers";
+import {
+	createExecutionContext,
+	waitOnExecutionContext,
+} from "cloudflare:test";
+import { env, exports } from "cloudflare:workers";
 import { expect } from "vitest";
+import worker from "../../functions/index.ts";
 import type { Call, RecordedCall } from "../../core/api.ts";
 import { ROOT_ID } from "../../core/ids.ts";
 
@@ -13,7 +18,11 @@ export interface Reply<T = any> {
 	headers: Headers;
 }
 
-/** Sends a request and reads the whole body (JSON when it is JSON). */
+/**
+ * Sends a request and reads the whole body (JSON when it is JSON). With
+ * `env`, the Worker's fetch handler runs under those bindings instead of the
+ * configured ones (a test's swapped binding or variable).
+ */
 export async function api<T = any>(
 	method: string,
 	path: string,
@@ -22,6 +31,7 @@ export async function api<T = any>(
 		json?: unknown;
 		body?: BodyInit;
 		headers?: Record<string, string>;
+		env?: Env;
 	} = {},
 ): Promise<Reply<T>> {
 	const headers: Record<string, string> = { ...opts.headers };
@@ -31,9 +41,19 @@ export async function api<T = any>(
 		headers["content-type"] = "application/json";
 		body = JSON.stringify(opts.json);
 	}
-	const res = await exports.default.fetch(
-		new Request(`https://trellis.test${path}`, { method, headers, body }),
-	);
+	const request = new Request(`https://trellis.test${path}`, {
+		method,
+		headers,
+		body,
+	});
+	let res: Response;
+	if (opts.env) {
+		const ctx = createExecutionContext();
+		res = await worker.fetch(request, opts.env, ctx);
+		await waitOnExecutionContext(ctx);
+	} else {
+		res = await exports.default.fetch(request);
+	}
 	const text = await res.text();
 	const isJson = res.headers.get("content-type")?.includes("json");
 	return {
@@ -92,18 +112,25 @@ export const run = (
 	exitCode,
 });
 
-/** A per-test task client bound to one key. */
-export function taskApi(key: string, task: string) {
+/**
+ * The Worker's bindings with its edge cache turned off: a record sent under
+ * them leaves the first lookup to the task graph.
+ */
+export const NO_EDGE: Env = { ...env, EDGE_CACHE_BYTES: "0" };
+
+/** A per-test task client bound to one key (and to `bindings`, see {@link api}). */
+export function taskApi(key: string, task: string, bindings?: Env) {
 	const base = `/v1/tasks/${task}`;
+	const o = { key, env: bindings };
 	return {
-		lookup: (json: unknown) => api("POST", `${base}/lookup`, { key, json }),
-		record: (json: unknown) => api("POST", `${base}/record`, { key, json }),
-		stats: () => api("GET", `${base}/stats`, { key }),
-		graph: (q = "") => api("GET", `${base}/graph${q}`, { key }),
-		result: (id: string) => api("GET", `${base}/results/${id}`, { key }),
-		lease: (json: unknown) => api("POST", `${base}/leases`, { key, json }),
+		lookup: (json: unknown) => api("POST", `${base}/lookup`, { ...o, json }),
+		record: (json: unknown) => api("POST", `${base}/record`, { ...o, json }),
+		stats: () => api("GET", `${base}/stats`, o),
+		graph: (q = "") => api("GET", `${base}/graph${q}`, o),
+		result: (id: string) => api("GET", `${base}/results/${id}`, o),
+		lease: (json: unknown) => api("POST", `${base}/leases`, { ...o, json }),
 		renew: (id: string, json: unknown = {}) =>
-			api("POST", `${base}/leases/${id}/renew`, { key, json }),
-		release: (id: string) => api("DELETE", `${base}/leases/${id}`, { key }),
+			api("POST", `${base}/leases/${id}/renew`, { ...o, json }),
+		release: (id: string) => api("DELETE", `${base}/leases/${id}`, o),
 	};
 }

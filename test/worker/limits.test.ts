@@ -11,13 +11,8 @@
  *   runtime cannot be pushed into that state locally; this double is used
  *   here only.
  */
-import {
-	createExecutionContext,
-	waitOnExecutionContext,
-} from "cloudflare:test";
 import { env } from "cloudflare:workers";
 import { beforeAll, describe, expect, it } from "vitest";
-import worker from "../../functions/index.ts";
 import { RATE_LIMIT_PERIOD_SECONDS } from "../../functions/limits.ts";
 import {
 	OVERLOADED_RETRY_AFTER_SECONDS,
@@ -39,34 +34,12 @@ import {
 const TEST_LIMIT = 3;
 
 /** Sends a request to the Worker's fetch handler under `bindings`. */
-async function send(
+const send = (
 	bindings: Env,
 	method: string,
 	path: string,
 	opts: { key?: string; json?: unknown } = {},
-): Promise<Reply> {
-	const headers: Record<string, string> = {};
-	if (opts.key !== undefined) headers.authorization = `Bearer ${opts.key}`;
-	let body: string | undefined;
-	if (opts.json !== undefined) {
-		headers["content-type"] = "application/json";
-		body = JSON.stringify(opts.json);
-	}
-	const ctx = createExecutionContext();
-	const res = await worker.fetch(
-		new Request(`https://trellis.test${path}`, { method, headers, body }),
-		bindings,
-		ctx,
-	);
-	await waitOnExecutionContext(ctx);
-	const text = await res.text();
-	const isJson = res.headers.get("content-type")?.includes("json");
-	return {
-		status: res.status,
-		body: isJson ? JSON.parse(text) : text,
-		headers: res.headers,
-	};
-}
+): Promise<Reply> => api(method, path, { ...opts, env: bindings });
 
 const limited: Env = {
 	...env,
