@@ -146,8 +146,7 @@ const opts = {
 /** The results' file name suffix: which stack and which path was measured. */
 function variant(): string {
 	return (
-		(flags.direct ? "-direct" : "") +
-		(flags["no-edge-cache"] ? "-no-edge" : "")
+		(flags.direct ? "-direct" : "") + (flags["no-edge-cache"] ? "-no-edge" : "")
 	);
 }
 if ((flags.url === undefined) !== (flags.key === undefined)) {
@@ -592,11 +591,7 @@ async function populate(
  * a cheaper hit route would buy.
  */
 type Route =
-	| "floor"
-	| "graph floor"
-	| "hit (history)"
-	| "hit (cursor)"
-	| "hit (id)";
+	"floor" | "graph floor" | "hit (history)" | "hit (cursor)" | "hit (id)";
 
 const isFloor = (r: Route) => r === "floor" || r === "graph floor";
 
