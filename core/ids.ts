@@ -15,7 +15,7 @@
  * dominated a cache hit's CPU profile.
  */
 import { sha256 } from "@noble/hashes/sha2.js";
-import { bytesToHex, hexToBytes, utf8ToBytes } from "@noble/hashes/utils.js";
+import { bytesToHex, hexToBytes } from "@noble/hashes/utils.js";
 import canonicalize from "canonicalize";
 
 /** A tool call as the cache sees it. */
@@ -27,14 +27,20 @@ export interface Call {
 	mutates?: boolean;
 }
 
-const OBS = utf8ToBytes("obs");
+/** One encoder for every call: noble's `utf8ToBytes` makes one and a copy each time. */
+const utf8 = new TextEncoder();
+const OBS = utf8.encode("obs");
 
-/** SHA-256 of the concatenation of `parts`, as hex. */
+/** SHA-256 of the concatenation of `parts`, as hex: one buffer, hashed in one call. */
 function digestHex(...parts: Uint8Array[]): string {
 	if (parts.length === 1) return bytesToHex(sha256(parts[0]));
-	const h = sha256.create();
-	for (const p of parts) h.update(p);
-	return bytesToHex(h.digest());
+	const all = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
+	let at = 0;
+	for (const p of parts) {
+		all.set(p, at);
+		at += p.length;
+	}
+	return bytesToHex(sha256(all));
 }
 
 /** The RFC 8785 canonical JSON of a call's identity: `{"args","tool"}`. */
@@ -46,11 +52,11 @@ export function canonicalCall(call: Pick<Call, "tool" | "args">): string {
 
 /** The call key: SHA-256 of the canonical JSON of `{args, tool}`. */
 export function callKey(call: Pick<Call, "tool" | "args">): string {
-	return digestHex(utf8ToBytes(canonicalCall(call)));
+	return digestHex(utf8.encode(canonicalCall(call)));
 }
 
 /** The id of the empty state every task starts from. */
-export const ROOT_ID = digestHex(utf8ToBytes("trellis/v1/root"));
+export const ROOT_ID = digestHex(utf8.encode("trellis/v1/root"));
 
 /** The state after a state-changing call with key `key` at state `parent`. */
 export function childId(parent: string, key: string): string {

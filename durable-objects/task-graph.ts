@@ -458,8 +458,7 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Serves edge hits' bookkeeping: the Worker answered them from its cache. */
 	async countHits(scope: Scope, hits: EdgeHit[]): Promise<void> {
 		this.#remember(scope);
-		this.#pendingHits.push(...hits);
-		this.#flushCounts();
+		for (const h of hits) this.#countHit(h.tool, h.id, h.execMs);
 		this.#touch();
 	}
 
@@ -1293,9 +1292,10 @@ export class TaskGraph extends DurableObject<Env> {
 
 	/**
 	 * Hits and misses are counted in memory and written in one transaction
-	 * by the next alarm (within INDEX_FLUSH_DELAY_MS), batch of edge hits,
-	 * stats read or eviction: a lookup then writes nothing, so its answer
-	 * does not wait for a commit. What a crash loses is at most those seconds
+	 * by the next alarm (within INDEX_FLUSH_DELAY_MS), stats or graph read,
+	 * or eviction, or once MAX_PENDING_COUNTS hits wait: a lookup or a batch
+	 * of edge hits then writes nothing, so its answer does not wait for a
+	 * commit, and a busy task commits its counters once an alarm. What a crash loses is at most those seconds
 	 * of counters; no cached output depends on them.
 	 */
 	#countHit(tool: string, id: string, execMs: number): void {

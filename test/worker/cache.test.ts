@@ -392,7 +392,7 @@ describe("lookup and record", () => {
 		expect([hits("git clone repo"), hits("patch foo.py")]).toEqual([5, 3]);
 	});
 
-	it("writes a lookup's counters in the next alarm, not in the lookup", async () => {
+	it("writes a lookup's counters, and an edge batch's, in the next alarm, not in the request", async () => {
 		const t = taskApi(keys.trainer, "deferred");
 		await taskApi(keys.trainer, "deferred", NO_EDGE).record({
 			from: ROOT_ID,
@@ -403,6 +403,10 @@ describe("lookup and record", () => {
 		const stub = env.TASK_GRAPH.get(
 			env.TASK_GRAPH.idFromName(`${keys.name}/deferred`),
 		);
+		// A batch of hits the Worker answered from memory: counted, not written.
+		await stub.countHits({ project: keys.name, task: "deferred" }, [
+			{ id: childId(ROOT_ID, callKey(M1)), tool: "bash", execMs: 40 },
+		]);
 		const stored = () =>
 			runInDurableObject(stub, (_, state) => ({
 				tool: state.storage.sql
@@ -422,8 +426,8 @@ describe("lookup and record", () => {
 		});
 		expect(await runDurableObjectAlarm(stub)).toBe(true);
 		expect(await stored()).toEqual({
-			tool: [{ lookups: 2, hits: 1, misses: 1, saved_ms: 40 }],
-			hits: 1,
+			tool: [{ lookups: 3, hits: 2, misses: 1, saved_ms: 80 }],
+			hits: 2,
 		});
 	});
 
