@@ -89,6 +89,29 @@ function json(c: Context<AppEnv>, body: string): Response {
 	return c.body(body, 200, { "Content-Type": "application/json" });
 }
 
+/**
+ * The hit with result id `id` from this isolate's memory, counted for the
+ * task graph (sent in batches, off the response's path); null when the
+ * isolate does not hold it.
+ */
+function edgeHit(
+	c: Context<AppEnv>,
+	id: string,
+	start: number,
+): Response | null {
+	const scope = c.get("scope");
+	const edge = cachedHit(c.env, scope, id);
+	if (!edge) return null;
+	const batch = countEdgeHit(scope, {
+		id,
+		tool: edge.tool,
+		execMs: edge.execMs,
+	});
+	if (batch) c.executionCtx.waitUntil(sendPending(graph(c), batch));
+	c.header("Server-Timing", timing(start, { edge: performance.now() - start }));
+	return json(c, edge.json);
+}
+
 tasks.get(
 	"/",
 	allow(["trainer", "host", "admin"]),
@@ -147,20 +170,8 @@ tasks.post(
 		}
 		const id = call.mutates ? childId(state, key) : obsId(state, key);
 
-		const edge = cachedHit(c.env, scope, id);
-		if (edge) {
-			const batch = countEdgeHit(scope, {
-				id,
-				tool: edge.tool,
-				execMs: edge.execMs,
-			});
-			if (batch) c.executionCtx.waitUntil(sendPending(graph(c), batch));
-			c.header(
-				"Server-Timing",
-				timing(start, { edge: performance.now() - start }),
-			);
-			return json(c, edge.json);
-		}
+		const edge = edgeHit(c, id, start);
+		if (edge) return edge;
 
 		const t0 = performance.now();
 		// RPC's serializable-type mapping erases `args: unknown`; the shape is the method's.
@@ -184,6 +195,7 @@ tasks.post(
 );
 
 tasks.get("/:task/results/:id", task, trainer, async (c) => {
+	const start = performance.now();
 	const id = Id.safeParse(c.req.param("id"));
 	if (!id.success)
 		throw apiError(
@@ -191,18 +203,12 @@ tasks.get("/:task/results/:id", task, trainer, async (c) => {
 			"invalid_request",
 			"id: must be 64 lowercase hex digits",
 		);
+	const edge = edgeHit(c, id.data, start);
+	if (edge) return edge;
 	const scope = c.get("scope");
-	const edge = cachedHit(c.env, scope, id.data);
-	if (edge) {
-		const batch = countEdgeHit(scope, {
-			id: id.data,
-			tool: edge.tool,
-			execMs: edge.execMs,
-		});
-		if (batch) c.executionCtx.waitUntil(sendPending(graph(c), batch));
-		return json(c, edge.json);
-	}
+	const t0 = performance.now();
 	const r = await graph(c).result(scope, id.data);
+	c.header("Server-Timing", timing(start, { graph: performance.now() - t0 }));
 	if (r === null)
 		throw apiError(404, "not_found", "no result with this id is recorded");
 	const hit = await materialize(c.env, r.hit);

@@ -341,9 +341,16 @@ describe("lookup and record", () => {
 			expect(graph.headers.get("server-timing")).toMatch(/^graph;/);
 			// The same answer, to the byte, whichever part gave it.
 			expect(JSON.stringify(edge.body)).toBe(JSON.stringify(graph.body));
+			// And by result id: the same hit, and the same header.
+			const byId = await t.result(edge.body.id);
+			expect(byId.headers.get("server-timing")).toMatch(/^edge;.*total;dur=/);
+			expect(byId.body).toEqual(edge.body);
+			const byIdGraph = await viaGraph.result(edge.body.id);
+			expect(byIdGraph.headers.get("server-timing")).toMatch(/^graph;/);
+			expect(byIdGraph.body).toEqual(edge.body);
 		}
 		const stats = (await t.stats()).body;
-		expect(stats).toMatchObject({ lookups: 3, hits: 3, savedMs: 60 });
+		expect(stats).toMatchObject({ lookups: 6, hits: 6, savedMs: 120 });
 	});
 
 	it("keeps the first output at the edge when a record conflicts with it", async () => {
