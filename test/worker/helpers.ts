@@ -116,7 +116,11 @@ export const run = (
  * The Worker's bindings with its edge cache turned off: a record sent under
  * them leaves the first lookup to the task graph.
  */
-export const NO_EDGE: Env = { ...env, EDGE_CACHE_BYTES: "0" };
+export const NO_EDGE: Env = {
+	...env,
+	// `wrangler types` types each variable as its configured value.
+	EDGE_CACHE_BYTES: "0" as string as Env["EDGE_CACHE_BYTES"],
+};
 
 /** A per-test task client bound to one key (and to `bindings`, see {@link api}). */
 export function taskApi(key: string, task: string, bindings?: Env) {
