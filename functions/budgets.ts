@@ -55,15 +55,19 @@ export function forgetBudgets(project: string): void {
 	cache.delete(project);
 }
 
+/** A project's task count and bytes, from the task index, per isolate. */
 const usageCache = new Map<
 	string,
-	{ at: number; tasks: Set<string>; bytes: number }
+	{ at: number; tasks: number; bytes: number }
 >();
+const USAGE_CACHE_MS = 10_000;
 
 /**
  * Refuses a record that would take a project past its quotas: a new task
  * past the task quota, or anything once the project's bytes are spent.
- * Reads the task index, which lags the task graphs by a few seconds.
+ * Reads the task index, which lags the task graphs by a few seconds: one
+ * aggregate row per project every USAGE_CACHE_MS, and whether this task is
+ * indexed only when the task quota is reached.
  */
 export async function quotaError(
 	env: Env,
@@ -72,24 +76,28 @@ export async function quotaError(
 	budgets: Budgets,
 ): Promise<string | null> {
 	let u = usageCache.get(project);
-	if (!u || now() - u.at > 10_000) {
-		const { results } = await env.DB.prepare(
-			"select task, bytes from tasks where project_id = ?1",
+	if (!u || now() - u.at > USAGE_CACHE_MS) {
+		const row = await env.DB.prepare(
+			`select count(*) as tasks, coalesce(sum(bytes), 0) as bytes
+			 from tasks where project_id = ?1`,
 		)
 			.bind(project)
-			.all<{ task: string; bytes: number }>();
-		u = {
-			at: now(),
-			tasks: new Set(results.map((r) => r.task)),
-			bytes: results.reduce((n, r) => n + r.bytes, 0),
-		};
+			.first<{ tasks: number; bytes: number }>();
+		u = { at: now(), tasks: row?.tasks ?? 0, bytes: row?.bytes ?? 0 };
 		usageCache.set(project, u);
 	}
 	if (u.bytes >= budgets.projectBytes) {
 		return `the project holds ${u.bytes} bytes, its quota is ${budgets.projectBytes}`;
 	}
-	if (!u.tasks.has(task) && u.tasks.size >= budgets.tasks) {
-		return `the project has ${u.tasks.size} tasks, its quota is ${budgets.tasks}`;
+	if (u.tasks >= budgets.tasks) {
+		const known = await env.DB.prepare(
+			"select 1 as known from tasks where project_id = ?1 and task = ?2",
+		)
+			.bind(project, task)
+			.first<{ known: number }>();
+		if (!known) {
+			return `the project has ${u.tasks} tasks, its quota is ${budgets.tasks}`;
+		}
 	}
 	return null;
 }

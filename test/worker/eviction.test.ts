@@ -439,4 +439,31 @@ describe("project quotas", () => {
 				.status,
 		).toBe(200);
 	});
+
+	it("refuses any record once the project's bytes are spent, and still answers lookups", async () => {
+		const p = await project("quota-bytes");
+		await api("PUT", "/v1/projects/quota-bytes/budgets", {
+			key: p.admin,
+			json: { projectBytes: 10 },
+		});
+		const t = taskApi(p.trainer, "big");
+		await t.record({ from: ROOT_ID, calls: [run(bash("a"), "0123456789ab")] });
+		advanceClock(3000);
+		await runDurableObjectAlarm(
+			env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName("quota-bytes/big")),
+		);
+		advanceClock(11_000);
+		for (const task of ["big", "other"]) {
+			const r = await taskApi(p.trainer, task).record({
+				from: ROOT_ID,
+				calls: [run(bash("b"), "2")],
+			});
+			expectError(r, 403, "quota_exceeded");
+			expect(r.body.error.message).toMatch(/bytes/);
+		}
+		expect((await t.stats()).body.nodes).toBe(2);
+		expect(
+			(await t.lookup({ history: [], call: bash("a") })).body,
+		).toMatchObject({ status: "hit", output: "0123456789ab" });
+	});
 });
