@@ -1295,8 +1295,9 @@ export class TaskGraph extends DurableObject<Env> {
 	 * by the next alarm (within INDEX_FLUSH_DELAY_MS), stats or graph read,
 	 * or eviction, or once MAX_PENDING_COUNTS hits wait: a lookup or a batch
 	 * of edge hits then writes nothing, so its answer does not wait for a
-	 * commit, and a busy task commits its counters once an alarm. What a crash loses is at most those seconds
-	 * of counters; no cached output depends on them.
+	 * commit, and a busy task commits its counters once an alarm. What a
+	 * crash loses is at most those seconds of counters; no cached output
+	 * depends on them.
 	 */
 	#countHit(tool: string, id: string, execMs: number): void {
 		this.#pendingHits.push({ id, tool, execMs });

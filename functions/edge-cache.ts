@@ -6,10 +6,11 @@
  * before this cache is read. `EDGE_CACHE_BYTES` bounds it; 0 turns it off.
  *
  * An entry lives at most {@link EDGE_TTL_MS}, and less than half of
- * `IDLE_TASK_TTL_MS`: a task deleted for being idle was last used (recorded
- * or looked up, at the edge too: those hits are counted) longer ago than
- * that, so no isolate still answers for it. A node evicted from its graph
- * for budgets can still be answered here until its entry expires.
+ * `IDLE_TASK_TTL_MS`. Every entry is made by a graph hit or a record, both
+ * uses of the task, and a task is deleted for being idle only when its last
+ * use is older than `IDLE_TASK_TTL_MS`: so no isolate still answers for a
+ * deleted task. A node evicted from its graph for budgets can still be
+ * answered here until its entry expires.
  *
  * The task graph still counts these hits: they are batched per task and sent
  * off the hot path, so its stats lag by at most FLUSH_MS while traffic flows.
