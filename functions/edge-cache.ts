@@ -13,8 +13,9 @@
  * answered here until its entry expires.
  *
  * The task graph still counts these hits: they are batched per task and sent
- * off the hot path, so its stats lag by at most FLUSH_MS while traffic flows.
- * An isolate that is torn down loses its unsent counts (at most one batch).
+ * off the hot path, at most FLUSH_MS after the first hit of a batch, so its
+ * stats lag by about that. An isolate that is torn down loses its unsent
+ * counts (at most one batch).
  */
 import { LRUCache } from "lru-cache";
 import type { Hit } from "../core/api.ts";
@@ -130,12 +131,20 @@ const pending = new Map<string, Pending>();
 const pendingKey = (s: Scope) => `${s.project}\u0000${s.task}`;
 
 /**
- * Counts an edge hit; returns a batch to send when one is due. The caller
- * sends it with `waitUntil`, so the response does not wait for it.
+ * Counts an edge hit. Returns the work that sends hits to the task graph,
+ * for the caller's `waitUntil` (the response never waits for it), or null.
+ * A full batch, or one older than FLUSH_MS, is sent at once; the first hit
+ * of a batch also schedules it to be sent FLUSH_MS later, so its counts
+ * never wait for more traffic. `graph` names the task's stub, only then.
  */
-export function countEdgeHit(scope: Scope, hit: EdgeHit): Pending | null {
+export function countEdgeHit(
+	scope: Scope,
+	hit: EdgeHit,
+	graph: () => DurableObjectStub<TaskGraph>,
+): Promise<void> | null {
 	const k = pendingKey(scope);
 	let p = pending.get(k);
+	const opened = p === undefined;
 	if (!p) {
 		p = { scope, hits: [], since: now() };
 		pending.set(k, p);
@@ -143,9 +152,21 @@ export function countEdgeHit(scope: Scope, hit: EdgeHit): Pending | null {
 	p.hits.push(hit);
 	if (p.hits.length >= FLUSH_COUNT || now() - p.since >= FLUSH_MS) {
 		pending.delete(k);
-		return p;
+		return sendPending(graph(), p);
 	}
-	return null;
+	return opened ? sendWhenDue(graph(), p) : null;
+}
+
+/** Sends batch `p` FLUSH_MS from now, unless it was sent or taken meanwhile. */
+async function sendWhenDue(
+	graph: DurableObjectStub<TaskGraph>,
+	p: Pending,
+): Promise<void> {
+	await new Promise((resolve) => setTimeout(resolve, FLUSH_MS));
+	const k = pendingKey(p.scope);
+	if (pending.get(k) !== p) return;
+	pending.delete(k);
+	await sendPending(graph, p);
 }
 
 /** Takes the unsent hits of a task (stats reads send them first). */

@@ -102,12 +102,12 @@ function edgeHit(
 	const scope = c.get("scope");
 	const edge = cachedHit(c.env, scope, id);
 	if (!edge) return null;
-	const batch = countEdgeHit(scope, {
-		id,
-		tool: edge.tool,
-		execMs: edge.execMs,
-	});
-	if (batch) c.executionCtx.waitUntil(sendPending(graph(c), batch));
+	const send = countEdgeHit(
+		scope,
+		{ id, tool: edge.tool, execMs: edge.execMs },
+		() => graph(c),
+	);
+	if (send) c.executionCtx.waitUntil(send);
 	c.header("Server-Timing", timing(start, { edge: performance.now() - start }));
 	return json(c, edge.json);
 }

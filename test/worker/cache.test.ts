@@ -384,6 +384,27 @@ describe("lookup and record", () => {
 		expect(later.body).toMatchObject({ status: "hit", output: "a" });
 	});
 
+	it("sends an edge hit's count within a second, with no traffic after it", async () => {
+		const task = "edge-quiet";
+		await taskApi(keys.trainer, task, NO_EDGE).record({
+			from: ROOT_ID,
+			calls: [run(M1, "a", 70)],
+		});
+		// Through the fetch handler with the configured bindings: the reply
+		// comes back once the request's waitUntil work is done.
+		const t = taskApi(keys.trainer, task, env);
+		await t.lookup({ history: [], call: M1 }); // the graph's hit
+		const edge = await t.lookup({ history: [], call: M1 });
+		expect(edge.headers.get("server-timing")).toMatch(/^edge;/);
+		// Read the graph directly: a stats read through the Worker would
+		// take the unsent batch itself.
+		const stub = env.TASK_GRAPH.get(
+			env.TASK_GRAPH.idFromName(`${keys.name}/${task}`),
+		);
+		const stats = await stub.stats({ project: keys.name, task });
+		expect(stats).toMatchObject({ lookups: 2, hits: 2, savedMs: 140 });
+	});
+
 	it("counts a batch of edge hits per node and per tool, several to a node", async () => {
 		const t = taskApi(keys.trainer, "edge-batch");
 		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 100)] });
