@@ -235,14 +235,35 @@ export async function startLocalStack(
 		persistTo === DEFAULT_PERSIST_DIR
 			? await devVarsAdminKey()
 			: `tra_${randomBytes(24).toString("hex")}`;
-	const port = options.port ?? (await freePort());
-	const inspectorPort = await freePort();
-
 	await wrangler(
 		["d1", "migrations", "apply", "DB", "--local", "--persist-to", persistTo],
 		quiet,
 	);
+	// Another process can take a free port between freePort() and wrangler's
+	// bind (test files start stacks in parallel): start again on new ports,
+	// unless the clash is on the port the caller asked for.
+	for (let attempt = 1; ; attempt++) {
+		try {
+			return await launch(options, persistTo, adminKey, quiet);
+		} catch (err) {
+			const clash = /Address already in use \(([^)]*)\)/.exec(String(err));
+			const ours =
+				clash !== null &&
+				(options.port === undefined || !clash[1].endsWith(`:${options.port}`));
+			if (!ours || attempt >= 3) throw err;
+		}
+	}
+}
 
+/** Spawns `wrangler dev` on free ports and readies the dev project and keys. */
+async function launch(
+	options: LocalStackOptions,
+	persistTo: string,
+	adminKey: string,
+	quiet: boolean,
+): Promise<LocalStack> {
+	const port = options.port ?? (await freePort());
+	const inspectorPort = await freePort();
 	const tail = new OutputTail();
 	const child = spawn(
 		WRANGLER,

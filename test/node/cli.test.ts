@@ -6,6 +6,7 @@
  */
 import { spawn, execFile } from "node:child_process";
 import path from "node:path";
+import { createServer, type AddressInfo } from "node:net";
 import { promisify } from "node:util";
 import { afterAll, describe, expect, it } from "vitest";
 import { freePort, REPO_ROOT, startLocalStack } from "../../bin/local-stack.ts";
@@ -132,6 +133,19 @@ describe("trellis dev", () => {
 });
 
 describe("startLocalStack", () => {
+	it("fails on a port the caller asked for that is taken, rather than moving elsewhere", async () => {
+		const taken = createServer();
+		await new Promise<void>((r) => taken.listen(0, "127.0.0.1", r));
+		const { port } = taken.address() as AddressInfo;
+		try {
+			await expect(
+				startLocalStack({ port, persistTo: await tmp("taken-state") }),
+			).rejects.toThrow(/Address already in use/);
+		} finally {
+			taken.close();
+		}
+	});
+
 	it("keeps what was recorded and its keys across a restart over the same directory, and stop() leaves no process", async () => {
 		const persist = await tmp("restart-state");
 		const task = taskName("restart");
