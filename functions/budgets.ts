@@ -55,10 +55,13 @@ export function forgetBudgets(project: string): void {
 	cache.delete(project);
 }
 
-/** A project's task count and bytes, from the task index, per isolate. */
+/**
+ * A project's task count and bytes, from the task index, per isolate, and
+ * the tasks seen indexed since (asked only at the task quota).
+ */
 const usageCache = new Map<
 	string,
-	{ at: number; tasks: number; bytes: number }
+	{ at: number; tasks: number; bytes: number; indexed: Set<string> }
 >();
 const USAGE_CACHE_MS = 10_000;
 
@@ -67,7 +70,7 @@ const USAGE_CACHE_MS = 10_000;
  * past the task quota, or anything once the project's bytes are spent.
  * Reads the task index, which lags the task graphs by a few seconds: one
  * aggregate row per project every USAGE_CACHE_MS, and whether this task is
- * indexed only when the task quota is reached.
+ * indexed only when the task quota is reached (once per task in that time).
  */
 export async function quotaError(
 	env: Env,
@@ -83,13 +86,20 @@ export async function quotaError(
 		)
 			.bind(project)
 			.first<{ tasks: number; bytes: number }>();
-		u = { at: now(), tasks: row?.tasks ?? 0, bytes: row?.bytes ?? 0 };
+		u = {
+			at: now(),
+			tasks: row?.tasks ?? 0,
+			bytes: row?.bytes ?? 0,
+			indexed: new Set(),
+		};
 		usageCache.set(project, u);
 	}
 	if (u.bytes >= budgets.projectBytes) {
 		return `the project holds ${u.bytes} bytes, its quota is ${budgets.projectBytes}`;
 	}
-	if (u.tasks >= budgets.tasks) {
+	if (u.tasks >= budgets.tasks && !u.indexed.has(task)) {
+		// At the quota every record asks; a task found indexed is remembered
+		// as long as the counts are, so its later records do not.
 		const known = await env.DB.prepare(
 			"select 1 as known from tasks where project_id = ?1 and task = ?2",
 		)
@@ -98,6 +108,7 @@ export async function quotaError(
 		if (!known) {
 			return `the project has ${u.tasks} tasks, its quota is ${budgets.tasks}`;
 		}
+		u.indexed.add(task);
 	}
 	return null;
 }

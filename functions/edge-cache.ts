@@ -133,9 +133,10 @@ const pendingKey = (s: Scope) => `${s.project}\u0000${s.task}`;
 /**
  * Counts an edge hit. Returns the work that sends hits to the task graph,
  * for the caller's `waitUntil` (the response never waits for it), or null.
- * A full batch, or one older than FLUSH_MS, is sent at once; the first hit
- * of a batch also schedules it to be sent FLUSH_MS later, so its counts
- * never wait for more traffic. `graph` names the task's stub, only then.
+ * The first hit of a batch schedules it to be sent FLUSH_MS later, so its
+ * counts never wait for more traffic; a full batch is sent at once, and so
+ * is one older than FLUSH_MS (its timer ended with a request the runtime
+ * cut short). `graph` names the task's stub, only then.
  */
 export function countEdgeHit(
 	scope: Scope,
