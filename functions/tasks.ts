@@ -41,7 +41,7 @@ import {
 } from "./edge-cache.ts";
 import { budgetsFor, quotaError } from "./budgets.ts";
 import { apiError, unwrap } from "./errors.ts";
-import { jsonBody, valid } from "./validate.ts";
+import { jsonBody, memoJson, valid } from "./validate.ts";
 
 export const tasks = new Hono<AppEnv>();
 
@@ -136,24 +136,21 @@ tasks.get(
 	},
 );
 
-tasks.post(
-	"/:task/lookup",
-	task,
-	trainer,
-	jsonBody(LIMITS.lookupBody),
-	valid("json", LookupRequest),
-	async (c) => {
-		const start = performance.now();
-		const req = c.req.valid("json");
-		const scope = c.get("scope");
+/**
+ * A lookup's body, valid, with the state its call runs at and its result id
+ * from the client's view, and the state-changing calls of its history with
+ * their ids. Remembered by text (functions/validate.ts): a group's rollouts
+ * send the same bodies.
+ */
+const lookupOf = memoJson(
+	LookupRequest,
+	(req) => {
 		const call = {
 			tool: req.call.tool,
 			args: req.call.args ?? null,
 			mutates: mutates(req.call),
 		};
 		const key = callKey(call);
-
-		// The state the call runs at, and its result id, from the client's view.
 		let state: string;
 		let path: { tool: string; args: unknown; id: string }[] | undefined;
 		if (req.cursor !== undefined) {
@@ -169,6 +166,20 @@ tasks.post(
 			state = path.length > 0 ? path[path.length - 1].id : ROOT_ID;
 		}
 		const id = call.mutates ? childId(state, key) : obsId(state, key);
+		return { req, call, path, id };
+	},
+	{ maxChars: 16 << 10, maxBytes: 8 << 20 },
+);
+
+tasks.post(
+	"/:task/lookup",
+	task,
+	trainer,
+	jsonBody(LIMITS.lookupBody),
+	async (c) => {
+		const start = performance.now();
+		const { req, call, path, id } = await lookupOf(c);
+		const scope = c.get("scope");
 
 		const edge = edgeHit(c, id, start);
 		if (edge) return edge;

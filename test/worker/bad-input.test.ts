@@ -33,6 +33,13 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 		"invalid_json",
 	],
 	[
+		"a lookup that does not say it is JSON",
+		() =>
+			raw(`${T}/lookup`, JSON.stringify({ history: [], call }), "text/plain"),
+		400,
+		"invalid_request",
+	],
+	[
 		"a JSON array instead of an object",
 		() => raw(`${T}/lookup`, "[]"),
 		400,

@@ -324,6 +324,26 @@ describe("lookup and record", () => {
 		expect(stats.tools.bash).toMatchObject({ lookups: 2, hits: 2, misses: 0 });
 	});
 
+	it("answers the same lookup text in another task by that task's graph", async () => {
+		// The Worker remembers what a lookup's text parses to; the answer
+		// still comes from the task in the path.
+		const a = taskApi(keys.trainer, "same-text-a");
+		const b = taskApi(keys.trainer, "same-text-b");
+		await a.record({ from: ROOT_ID, calls: [run(M1, "a's output")] });
+		const ask = { history: [], call: M1 };
+		for (let i = 0; i < 2; i++) {
+			expect((await a.lookup(ask)).body).toMatchObject({
+				status: "hit",
+				output: "a's output",
+			});
+			expect((await b.lookup(ask)).body).toMatchObject({
+				status: "miss",
+				depth: 0,
+			});
+		}
+		expect((await b.stats()).body).toMatchObject({ lookups: 2, misses: 2 });
+	});
+
 	it("answers the first lookup of what it recorded from memory, as the graph would", async () => {
 		const t = taskApi(keys.trainer, "edge-record");
 		const viaGraph = taskApi(keys.trainer, "edge-record-graph", NO_EDGE);
