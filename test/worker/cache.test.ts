@@ -7,10 +7,15 @@ import {
 import { beforeAll, describe, expect, it } from "vitest";
 import { advanceClock } from "../../core/clock.ts";
 import { callKey, childId, obsId } from "../../core/ids.ts";
-import { EDGE_TTL_MS } from "../../functions/edge-cache.ts";
+import {
+	EDGE_TTL_MS,
+	SEEN_MAX_CHARS,
+	seenLookup,
+} from "../../functions/edge-cache.ts";
 import {
 	NO_EDGE,
 	ROOT_ID,
+	api,
 	bash,
 	expectError,
 	project,
@@ -322,6 +327,57 @@ describe("lookup and record", () => {
 		expect(stats.hits).toBe(2);
 		expect(stats.savedMs).toBe(500);
 		expect(stats.tools.bash).toMatchObject({ lookups: 2, hits: 2, misses: 0 });
+	});
+
+	it("remembers the text of a lookup it answered with a hit, and of no other", async () => {
+		const t = taskApi(keys.trainer, "seen");
+		// Calls no other test sends: the texts are this isolate's first.
+		const [hitCall, longCall] = [
+			bash("seen 1"),
+			bash("x".repeat(SEEN_MAX_CHARS)),
+		];
+		const hitBody = { history: [], call: hitCall };
+		const missBody = { history: [], call: bash("seen 2") };
+		const long = { history: [hitCall], call: longCall };
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(hitCall, "a"), run(longCall, "b")],
+		});
+		const text = (b: unknown) => JSON.stringify(b);
+		for (const b of [hitBody, missBody, long])
+			expect(seenLookup(env, text(b))).toBeUndefined();
+		const first = await t.lookup(hitBody);
+		expect((await t.lookup(missBody)).body.status).toBe("miss");
+		expect((await t.lookup(long)).body.status).toBe("hit");
+		expect(seenLookup(env, text(hitBody))).toBe(first.body.id);
+		expect(seenLookup(env, text(missBody))).toBeUndefined();
+		expect(seenLookup(env, text(long))).toBeUndefined();
+		// The same text again: the same answer, from memory.
+		const again = await t.lookup(hitBody);
+		expect(again.headers.get("server-timing")).toMatch(/^edge;/);
+		expect(again.body).toEqual(first.body);
+		// Another text of the same lookup is parsed on its own, to the same id.
+		const spaced = JSON.stringify(hitBody, null, 1);
+		expect(seenLookup(env, spaced)).toBeUndefined();
+		const r = await api("POST", "/v1/tasks/seen/lookup", {
+			key: keys.trainer,
+			body: spaced,
+			headers: { "content-type": "application/json" },
+		});
+		expect(r.body).toEqual(first.body);
+		expect(seenLookup(env, spaced)).toBe(first.body.id);
+		expect((await t.stats()).body).toMatchObject({ lookups: 5, hits: 4 });
+	});
+
+	it("remembers no lookup text with the edge cache off", async () => {
+		const t = taskApi(keys.trainer, "seen-off", NO_EDGE);
+		await t.record({ from: ROOT_ID, calls: [run(bash("seen 3"), "a")] });
+		const body = { history: [], call: bash("seen 3") };
+		expect((await t.lookup(body)).body.status).toBe("hit");
+		expect((await t.lookup(body)).headers.get("server-timing")).toMatch(
+			/^graph;/,
+		);
+		expect(seenLookup(NO_EDGE, JSON.stringify(body))).toBeUndefined();
 	});
 
 	it("answers the same lookup text in another task by that task's graph", async () => {
