@@ -57,18 +57,26 @@ export const SEEN_MAX_CHARS = 16 << 10;
 
 let cache: LRUCache<string, Entry | Seen> | null = null;
 
-/** JavaScript strings take two bytes a code unit; the rest is overhead. */
-const entrySize = (json: string) => json.length * 2 + 256;
+/**
+ * What an entry's string takes in memory, and a fixed overhead. V8 keeps a
+ * string whose characters are all Latin-1 at one byte each (most JSON),
+ * and any other at two. Measured once, when the entry is stored.
+ */
+const entrySize = (text: string) =>
+	text.length * (WIDE.test(text) ? 2 : 1) + 256;
+const WIDE = /[^\u0000-\u00ff]/;
 
 /** The isolate's cache, or null when `EDGE_CACHE_BYTES` is 0. */
 function store(env: Env): LRUCache<string, Entry | Seen> | null {
 	const maxSize = Number(env.EDGE_CACHE_BYTES);
 	if (!(maxSize > 0)) return null;
-	cache ??= new LRUCache<string, Entry | Seen>({
-		maxSize,
-		// A hit's size is its JSON's; a body's, its text's (the key).
-		sizeCalculation: (e, key) => entrySize("json" in e ? e.json : key),
-	});
+	// One size per deployment; a different one (a test's) starts afresh.
+	if (cache?.maxSize !== maxSize)
+		cache = new LRUCache<string, Entry | Seen>({
+			maxSize,
+			// A hit's size is its JSON's; a body's, its text's (the key).
+			sizeCalculation: (e, key) => entrySize("json" in e ? e.json : key),
+		});
 	return cache;
 }
 
@@ -88,7 +96,8 @@ export function seenLookup(env: Env, text: string): string | undefined {
 
 /** Remembers that lookup body `text`, answered with a hit, names result `id`. */
 export function rememberLookup(env: Env, text: string, id: string): void {
-	if (text.length <= SEEN_MAX_CHARS) store(env)?.set(seenKey(text), { id });
+	if (text.length > SEEN_MAX_CHARS) return;
+	store(env)?.set(seenKey(text), { id }, { size: entrySize(text) });
 }
 
 export function cachedHit(
@@ -130,8 +139,8 @@ export function rememberRecorded(
 	hit: Hit,
 ): void {
 	const s = store(env);
-	// The JSON is longer than the output alone.
-	if (s && entrySize(hit.output) <= s.maxSize / 16)
+	// The JSON is longer than the output alone, which takes a byte a character at least.
+	if (s && hit.output.length + 256 <= s.maxSize / 16)
 		keep(env, scope, tool, hit, JSON.stringify(hit));
 }
 
@@ -144,14 +153,20 @@ function keep(
 ): void {
 	const s = store(env);
 	// One output never takes more than a sixteenth of the cache.
-	if (!s || entrySize(json) > s.maxSize / 16) return;
+	if (!s || json.length + 256 > s.maxSize / 16) return;
+	const size = entrySize(json);
+	if (size > s.maxSize / 16) return;
 	const ttl = Math.min(EDGE_TTL_MS, Number(env.IDLE_TASK_TTL_MS) / 2);
-	s.set(cacheKey(scope, hit.id), {
-		json,
-		tool,
-		execMs: hit.execMs,
-		expires: now() + ttl,
-	});
+	s.set(
+		cacheKey(scope, hit.id),
+		{
+			json,
+			tool,
+			execMs: hit.execMs,
+			expires: now() + ttl,
+		},
+		{ size },
+	);
 }
 
 interface Pending {

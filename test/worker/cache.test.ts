@@ -630,3 +630,25 @@ describe("stats and graph", () => {
 		expectError(await t.graph(), 404, "task_not_found");
 	});
 });
+
+describe("the edge cache's memory", () => {
+	it("counts a Latin-1 string at a byte a character and any other at two", async () => {
+		// 64 KiB: no entry over 4 KiB. 3,000 ASCII characters fit; 3,000
+		// characters of Polish, at two bytes each, do not.
+		const small = { ...env, EDGE_CACHE_BYTES: "65536" } as Env;
+		const t = taskApi(keys.trainer, "edge-bytes", small);
+		const ascii = bash("ascii");
+		const wide = bash("wide");
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(ascii, "a".repeat(3000)), run(wide, "ł".repeat(3000))],
+		});
+		const where = async (call: typeof ascii, history: unknown[]) =>
+			(await t.lookup({ history, call })).headers
+				.get("server-timing")
+				?.split(";")[0];
+		expect(await where(ascii, [])).toBe("edge");
+		expect(await where(wide, [ascii])).toBe("graph");
+		expect(await where(wide, [ascii])).toBe("graph");
+	});
+});
