@@ -32,6 +32,16 @@
  *        --snapshot (run the Worker from a copy of HEAD; see startTarget)
  *        --no-edge-cache (hits from the task graph only; see above)
  *        --retries 2 (re-runs of a rate disturbed by other load)
+ *        --base REV (A/B: see below)
+ *
+ * With `--base REV` it compares two commits instead: it runs the stacks of
+ * HEAD and of REV side by side (both from `git archive`, both direct when
+ * --direct), records the same paths into each, and at each rate runs every
+ * route `--rounds` times (default 3) on both, alternating which goes first.
+ * So the two see the same machine within seconds, and the Worker's CPU per
+ * request and the p50 of each route are compared as ratios of one run
+ * (HEAD over REV). No targets are judged; the figures go to
+ * bench/results/ab.json (or --out).
  */
 import {
 	mkdirSync,
@@ -90,6 +100,8 @@ const { values: flags } = parseArgs({
 		snapshot: { type: "boolean", default: false },
 		retries: { type: "string" },
 		"no-edge-cache": { type: "boolean", default: false },
+		base: { type: "string" },
+		rounds: { type: "string" },
 	},
 	strict: true,
 });
@@ -123,6 +135,9 @@ const opts = {
 	direct: flags.direct,
 	snapshot: flags.snapshot,
 	noEdgeCache: flags["no-edge-cache"],
+	/** A/B against this commit (see the top of this file). */
+	base: flags.base,
+	rounds: Math.floor(num(flags.rounds, 3, "rounds")),
 	/** Re-runs of a rate whose runs saw other load on the machine. */
 	retries:
 		flags.retries === undefined
@@ -133,9 +148,11 @@ const opts = {
 	// A smoke run must not overwrite the committed figures; *.tmp is ignored.
 	out:
 		flags.out ??
-		(quick
-			? "bench/results/lookup-quick.json.tmp"
-			: `bench/results/lookup${variant()}.json`),
+		(flags.base !== undefined
+			? "bench/results/ab.json"
+			: quick
+				? "bench/results/lookup-quick.json.tmp"
+				: `bench/results/lookup${variant()}.json`),
 	chart:
 		flags.chart ??
 		(quick
@@ -153,11 +170,14 @@ if ((flags.url === undefined) !== (flags.key === undefined)) {
 	throw new Error("give both --url and --key (a trainer key), or neither");
 }
 if (
-	(flags.direct || flags.snapshot || flags["no-edge-cache"]) &&
+	(flags.direct ||
+		flags.snapshot ||
+		flags["no-edge-cache"] ||
+		flags.base !== undefined) &&
 	flags.url !== undefined
 ) {
 	throw new Error(
-		"--direct, --snapshot and --no-edge-cache apply to the local stack, not --url",
+		"--direct, --snapshot, --no-edge-cache and --base apply to the local stack, not --url",
 	);
 }
 
@@ -391,7 +411,7 @@ function cpuDelta(
 	return out;
 }
 
-async function startTarget(): Promise<Target> {
+async function startTarget(rev?: string): Promise<Target> {
 	if (flags.url !== undefined && flags.key !== undefined) {
 		return {
 			url: new URL(flags.url).origin,
@@ -405,7 +425,7 @@ async function startTarget(): Promise<Target> {
 	process.stderr.write(`starting the local stack (state in ${persistTo})\n`);
 	let copy: string | null = null;
 	let startLocalStack: typeof import("../bin/local-stack.ts").startLocalStack;
-	if (opts.snapshot) {
+	if (opts.snapshot || rev !== undefined) {
 		// wrangler dev watches its sources and restarts the Worker on every
 		// change; in a tree someone is editing, that lands mid-run. A copy
 		// of the last commit is a tree nobody edits.
@@ -413,15 +433,18 @@ async function startTarget(): Promise<Target> {
 		const root = execFileSync("git", ["rev-parse", "--show-toplevel"], {
 			encoding: "utf8",
 		}).trim();
-		const head = gitCommit();
-		if (head !== null) process.env.TRELLIS_BENCH_COMMIT = head;
-		execFileSync("sh", ["-c", `git archive HEAD | tar -x -C "${copy}"`], {
-			cwd: root,
-		});
-		symlinkSync(join(root, "node_modules"), join(copy, "node_modules"));
-		process.stderr.write(
-			`--snapshot: running the Worker of ${process.env.TRELLIS_BENCH_COMMIT} from ${copy}\n`,
+		const commit = gitCommit(rev ?? "HEAD");
+		if (commit === null) throw new Error(`no commit ${rev ?? "HEAD"} here`);
+		if (rev === undefined) process.env.TRELLIS_BENCH_COMMIT = commit;
+		execFileSync(
+			"sh",
+			["-c", `git archive "${commit}" | tar -x -C "${copy}"`],
+			{
+				cwd: root,
+			},
 		);
+		symlinkSync(join(root, "node_modules"), join(copy, "node_modules"));
+		process.stderr.write(`running the Worker of ${commit} from ${copy}\n`);
 		({ startLocalStack } = (await import(
 			join(copy, "bin", "local-stack.ts")
 		)) as typeof import("../bin/local-stack.ts"));
@@ -1177,12 +1200,14 @@ function table(lines: Line[], sets: PairSet[]): string {
 	].join("\n");
 }
 
-function gitCommit(): string | null {
+/** The short id of `rev`, or of the commit measured (HEAD's by default). */
+function gitCommit(rev?: string): string | null {
 	// Set when the benchmark runs from an exported copy of the tree (see
 	// docs/benchmarks.md: wrangler dev reloads on every edit in a live one).
-	if (process.env.TRELLIS_BENCH_COMMIT) return process.env.TRELLIS_BENCH_COMMIT;
+	if (rev === undefined && process.env.TRELLIS_BENCH_COMMIT)
+		return process.env.TRELLIS_BENCH_COMMIT;
 	try {
-		return execFileSync("git", ["rev-parse", "--short", "HEAD"], {
+		return execFileSync("git", ["rev-parse", "--short", rev ?? "HEAD"], {
 			encoding: "utf8",
 		}).trim();
 	} catch {
@@ -1224,6 +1249,7 @@ if (loadBefore[0] > 0.5) {
 			"other processes will share the cores with the benchmark\n",
 	);
 }
+if (opts.base !== undefined) process.exit(await compare(opts.base));
 const target = await startTarget();
 let exitCode = 0;
 const stopOnSignal = () => {
@@ -1358,3 +1384,122 @@ try {
 	await target.stop();
 }
 process.exit(exitCode);
+
+// ---------------------------------------------------------------- A/B
+
+/**
+ * `--base REV`: HEAD's stack and REV's side by side, the same workload in
+ * both, every route run `--rounds` times on each at each rate, alternating
+ * which goes first. Prints the Worker's CPU per request and the p50 of each
+ * (their medians over the rounds) and HEAD over REV.
+ */
+async function compare(base: string): Promise<number> {
+	const head = await startTarget("HEAD");
+	let old: Target;
+	try {
+		old = await startTarget(base);
+	} catch (err) {
+		await head.stop();
+		throw err;
+	}
+	const stop = () => Promise.all([head.stop(), old.stop()]);
+	const stopOnSignal = () => {
+		process.stderr.write("interrupted; stopping the stacks\n");
+		void stop().finally(() => process.exit(130));
+	};
+	process.once("SIGINT", stopOnSignal);
+	process.once("SIGTERM", stopOnSignal);
+	try {
+		for (const t of [head, old]) await populate(t, task, paths);
+		const routes: Route[] = ["floor", "hit (history)"];
+		if (opts.cursor) routes.push("hit (cursor)");
+		if (opts.idRoute) routes.push("hit (id)");
+		const sides = [
+			{
+				name: "HEAD",
+				commit: gitCommit("HEAD"),
+				t: head,
+				runs: [] as RouteRun[],
+			},
+			{ name: base, commit: gitCommit(base), t: old, runs: [] as RouteRun[] },
+		];
+		for (const rate of opts.rates) {
+			for (let round = 0; round < opts.rounds; round++) {
+				for (const route of routes) {
+					const order = round % 2 === 0 ? sides : [...sides].reverse();
+					for (const side of order) {
+						const r = await runRoute(side.t, task, paths, route, rate);
+						r.attempt = round + 1;
+						side.runs.push(r);
+						process.stderr.write(`${side.name}: `);
+						logRun(r);
+					}
+				}
+			}
+		}
+		const median = (xs: number[]) => {
+			const v = [...xs].sort((a, b) => a - b);
+			const m = v.length >> 1;
+			return v.length % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+		};
+		const of = (runs: RouteRun[], rate: number, route: Route) => {
+			const rs = runs.filter((r) => r.targetRate === rate && r.route === route);
+			return {
+				cpu: median(
+					rs.map((r) => r.stackCpuMsPerRequest["workerd (worker)"] ?? NaN),
+				),
+				p50: median(rs.map((r) => r.latencyUs.p50 / 1000)),
+				achieved: median(rs.map((r) => r.achievedRate)),
+				errors: rs.reduce((n, r) => n + r.errors, 0),
+			};
+		};
+		const rows: string[] = [
+			`| rate | route | Worker CPU ms/req HEAD | ${base} | HEAD/${base} | p50 ms HEAD | ${base} | HEAD/${base} | achieved HEAD | ${base} | errors |`,
+			"|---|---|---|---|---|---|---|---|---|---|---|",
+		];
+		const lines = [];
+		for (const rate of opts.rates) {
+			for (const route of routes) {
+				const a = of(sides[0].runs, rate, route);
+				const b = of(sides[1].runs, rate, route);
+				lines.push({ rate, route, head: a, base: b });
+				rows.push(
+					`| ${rate} | ${route} | ${a.cpu.toFixed(3)} | ${b.cpu.toFixed(3)} | ` +
+						`${(a.cpu / b.cpu).toFixed(2)} | ${a.p50.toFixed(2)} | ${b.p50.toFixed(2)} | ` +
+						`${(a.p50 / b.p50).toFixed(2)} | ${a.achieved.toFixed(0)} | ` +
+						`${b.achieved.toFixed(0)} | ${a.errors + b.errors} |`,
+				);
+			}
+		}
+		console.log(
+			`HEAD (${sides[0].commit}) against ${base} (${sides[1].commit}), ` +
+				`medians of ${opts.rounds} rounds, ${opts.durationMs / 1000} s each` +
+				(opts.direct ? ", direct" : ", through the proxy"),
+		);
+		console.log(rows.join("\n"));
+		const result = {
+			meta: {
+				date: started.toISOString(),
+				head: sides[0].commit,
+				base: sides[1].commit,
+				node: process.version,
+				cpus: cpus().length,
+				cpuModel: cpus()[0]?.model ?? null,
+				loadavgBefore: loadBefore,
+				loadavgAfter: loadavg(),
+			},
+			options: { ...opts, task },
+			lines,
+			runs: Object.fromEntries(sides.map((s) => [s.name, s.runs])),
+		};
+		mkdirSync(dirname(opts.out), { recursive: true });
+		writeFileSync(opts.out, JSON.stringify(result, null, "\t") + "\n");
+		process.stderr.write(`wrote ${opts.out}\n`);
+		return 0;
+	} catch (err) {
+		console.error(err);
+		return 2;
+	} finally {
+		await stop();
+	}
+}
