@@ -40,7 +40,8 @@
  * route `--rounds` times (default 3) on both, alternating which goes first.
  * So the two see the same machine within seconds, and the Worker's CPU per
  * request and the p50 of each route are compared as ratios of one run
- * (HEAD over REV). No targets are judged; the figures go to
+ * (HEAD over REV); then the miss + record pairs, paced and back to back,
+ * the same way. No targets are judged; the figures go to
  * bench/results/ab.json (or --out).
  */
 import {
@@ -1477,6 +1478,55 @@ async function compare(base: string): Promise<number> {
 				(opts.direct ? ", direct" : ", through the proxy"),
 		);
 		console.log(rows.join("\n"));
+		// The miss + record pairs, paced and back to back, rounds alternating too.
+		const pairs: Record<string, PairRun[]> = { HEAD: [], [base]: [] };
+		for (const rate of [opts.missRate, 0]) {
+			for (let round = 0; round < opts.rounds; round++) {
+				const order = round % 2 === 0 ? sides : [...sides].reverse();
+				for (const [i, side] of order.entries()) {
+					const id = `${runId}-${rate}-${round}-${i}`;
+					const p = await missRecord(side.t, task, paths, id, rate);
+					pairs[side.name].push(p);
+					process.stderr.write(
+						`${side.name}: miss+record at ${rate || "b2b"}: p50 ${ms(p.pairUs.p50)} ms ` +
+							`(lookup ${ms(p.firstUs.p50)} + record ${ms(p.secondUs.p50)}), ${p.errors} errors\n`,
+					);
+				}
+			}
+		}
+		const pairRows = [
+			`| pace | miss+record p50 ms HEAD | ${base} | HEAD/${base} | lookup HEAD | ${base} | record HEAD | ${base} | errors |`,
+			"|---|---|---|---|---|---|---|---|---|",
+		];
+		const pairLines = [];
+		for (const rate of [opts.missRate, 0]) {
+			const at = (name: string, f: (p: PairRun) => number) =>
+				median(pairs[name].filter((p) => p.rate === rate).map(f));
+			const line = {
+				rate,
+				head: {
+					pair: at("HEAD", (p) => p.pairUs.p50 / 1000),
+					lookup: at("HEAD", (p) => p.firstUs.p50 / 1000),
+					record: at("HEAD", (p) => p.secondUs.p50 / 1000),
+				},
+				base: {
+					pair: at(base, (p) => p.pairUs.p50 / 1000),
+					lookup: at(base, (p) => p.firstUs.p50 / 1000),
+					record: at(base, (p) => p.secondUs.p50 / 1000),
+				},
+				errors: [...pairs.HEAD, ...pairs[base]]
+					.filter((p) => p.rate === rate)
+					.reduce((n, p) => n + p.errors, 0),
+			};
+			pairLines.push(line);
+			const { head: h, base: b } = line;
+			pairRows.push(
+				`| ${rate ? `${rate}/s` : "b2b"} | ${h.pair.toFixed(2)} | ${b.pair.toFixed(2)} | ` +
+					`${(h.pair / b.pair).toFixed(2)} | ${h.lookup.toFixed(2)} | ${b.lookup.toFixed(2)} | ` +
+					`${h.record.toFixed(2)} | ${b.record.toFixed(2)} | ${line.errors} |`,
+			);
+		}
+		console.log(pairRows.join("\n"));
 		const result = {
 			meta: {
 				date: started.toISOString(),
@@ -1490,7 +1540,9 @@ async function compare(base: string): Promise<number> {
 			},
 			options: { ...opts, task },
 			lines,
+			pairLines,
 			runs: Object.fromEntries(sides.map((s) => [s.name, s.runs])),
+			pairs,
 		};
 		mkdirSync(dirname(opts.out), { recursive: true });
 		writeFileSync(opts.out, JSON.stringify(result, null, "\t") + "\n");
