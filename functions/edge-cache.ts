@@ -16,7 +16,8 @@
  * result id that body names. Parsing, validating and hashing a body are
  * functions of its text alone, so the same text again (a group's rollouts
  * send the same history, or cursor, and call) goes straight to its entry.
- * On a hit those three were most of the Worker's own CPU.
+ * On a hit those three were a large share of the Worker's work beyond the
+ * runtime's own.
  *
  * The task graph still counts these hits: they are batched per task and sent
  * off the hot path, at most FLUSH_MS after the first hit of a batch, so its

@@ -59,6 +59,7 @@ export function parseJson<T extends z.ZodType>(
 	}
 	return check(schema, value);
 }
+
 /** A JSON body of at most `max` bytes; larger bodies get 413 before parsing. */
 export function jsonBody(max: number) {
 	return bodyLimit({
