@@ -635,7 +635,10 @@ describe("the edge cache's memory", () => {
 	it("counts a Latin-1 string at a byte a character and any other at two", async () => {
 		// 64 KiB: no entry over 4 KiB. 3,000 ASCII characters fit; 3,000
 		// characters of Polish, at two bytes each, do not.
-		const small = { ...env, EDGE_CACHE_BYTES: "65536" } as Env;
+		const small: Env = {
+			...env,
+			EDGE_CACHE_BYTES: "65536" as string as Env["EDGE_CACHE_BYTES"],
+		};
 		const t = taskApi(keys.trainer, "edge-bytes", small);
 		const ascii = bash("ascii");
 		const wide = bash("wide");
