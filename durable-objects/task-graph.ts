@@ -166,6 +166,11 @@ const EXPIRED_LEASE_MEMORY_MS = 60 * 60 * 1000;
 const INDEX_FLUSH_DELAY_MS = 2000;
 /** Hits counted in memory before they are written regardless (see #countHit). */
 const MAX_PENDING_COUNTS = 4096;
+/**
+ * How long a busy task's nodes' hit counts wait in memory between writes
+ * (its tools' counters are written by every alarm; see #flushCounts).
+ */
+const NODE_HITS_WRITE_MS = 30_000;
 
 export class TaskGraph extends DurableObject<Env> {
 	#db: DrizzleSqliteDODatabase<typeof schema>;
@@ -183,6 +188,9 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Counters not yet written: see #countHit. */
 	#pendingHits: EdgeHit[] = [];
 	#pendingMisses = new Map<string, number>();
+	/** Hits per node counted but not yet written, and when they were counted. */
+	#unwrittenNodeHits = new Map<string, { n: number; at: number }>();
+	#nodeHitsWrittenAt = 0;
 
 	constructor(ctx: DurableObjectState, env: Env) {
 		super(ctx, env);
@@ -498,7 +506,8 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Counters for the task and for each tool; null when nothing was ever recorded. */
 	async stats(scope: Scope): Promise<TaskStats | null> {
 		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
-		this.#flushCounts();
+		// Only the tools' counters: no figure here reads a node's hits.
+		this.#flushCounts("when due");
 		const tools: Record<string, ToolStats> = {};
 		const total = {
 			lookups: 0,
@@ -696,7 +705,7 @@ export class TaskGraph extends DurableObject<Env> {
 	async alarm(): Promise<void> {
 		this.#alarmAt = null;
 		const at = now();
-		this.#flushCounts();
+		this.#flushCounts("when due");
 		this.#expireLeases(at);
 		if (this.#enforceDue) await this.#enforce(this.#budgetsOrDefault(), at);
 		if (this.#indexDirty) await this.#flushIndex(at);
@@ -714,6 +723,9 @@ export class TaskGraph extends DurableObject<Env> {
 			next.live,
 			next.forget === null ? null : next.forget + EXPIRED_LEASE_MEMORY_MS,
 			this.#indexDirty ? at + INDEX_FLUSH_DELAY_MS : null,
+			this.#unwrittenNodeHits.size > 0
+				? this.#nodeHitsWrittenAt + NODE_HITS_WRITE_MS
+				: null,
 		].filter((t): t is number => t !== null);
 		if (due.length > 0) this.#armAlarm(Math.min(...due));
 	}
@@ -1295,28 +1307,36 @@ export class TaskGraph extends DurableObject<Env> {
 	 * by the next alarm (within INDEX_FLUSH_DELAY_MS), stats or graph read,
 	 * or eviction, or once MAX_PENDING_COUNTS hits wait: a lookup or a batch
 	 * of edge hits then writes nothing, so its answer does not wait for a
-	 * commit, and a busy task commits its counters once an alarm. What a
-	 * crash loses is at most those seconds of counters; no cached output
-	 * depends on them.
+	 * commit, and a busy task commits its counters once an alarm. The hits
+	 * of each node are written less often, at most every NODE_HITS_WRITE_MS
+	 * outside graph reads and eviction, which write them at once: each is an update
+	 * of the node's whole row, and a task whose hits spread over thousands
+	 * of nodes spent more of its CPU on those updates than on answering.
+	 * What a crash loses is at most those seconds of counters; no cached
+	 * output depends on them.
 	 */
 	#countHit(tool: string, id: string, execMs: number): void {
 		this.#pendingHits.push({ id, tool, execMs });
-		if (this.#pendingHits.length >= MAX_PENDING_COUNTS) this.#flushCounts();
+		if (this.#pendingHits.length >= MAX_PENDING_COUNTS)
+			this.#flushCounts("when due");
 	}
 
 	#countMiss(tool: string): void {
 		this.#pendingMisses.set(tool, (this.#pendingMisses.get(tool) ?? 0) + 1);
 	}
 
-	/** Writes the counted hits and misses: one statement for every node, one upsert per tool. */
-	#flushCounts(): void {
+	/**
+	 * Writes the counted hits and misses: one upsert per tool, and with
+	 * `nodeHits` "now", or "when due" once NODE_HITS_WRITE_MS have passed since
+	 * they last were, one statement for the hits of every node.
+	 */
+	#flushCounts(nodeHits: "now" | "when due" = "now"): void {
 		const hits = this.#pendingHits;
 		const misses = this.#pendingMisses;
-		if (hits.length === 0 && misses.size === 0) return;
 		this.#pendingHits = [];
 		this.#pendingMisses = new Map();
 		const at = now();
-		const perNode: Record<string, number> = {};
+		const unwritten = this.#unwrittenNodeHits;
 		const perTool = new Map<
 			string,
 			{ hits: number; savedMs: number; misses: number }
@@ -1329,19 +1349,35 @@ export class TaskGraph extends DurableObject<Env> {
 		for (const h of hits) {
 			// A node evicted since its hit is not counted.
 			if (!this.#index.has(h.id)) continue;
-			perNode[h.id] = (perNode[h.id] ?? 0) + 1;
+			const u = unwritten.get(h.id);
+			if (u) {
+				u.n++;
+				u.at = at;
+			} else unwritten.set(h.id, { n: 1, at });
 			const t = tool(h.tool);
 			t.hits++;
 			t.savedMs += h.execMs;
 		}
 		for (const [name, n] of misses) tool(name).misses += n;
-		if (perTool.size === 0) return;
-		const counts = JSON.stringify(perNode);
+		const writeNodes =
+			unwritten.size > 0 &&
+			(nodeHits === "now" ||
+				at - this.#nodeHitsWrittenAt >= NODE_HITS_WRITE_MS);
+		if (perTool.size === 0 && !writeNodes) return;
 		this.ctx.storage.transactionSync(() => {
-			// The join parses the counts once and finds each node by its index.
-			this.#db.run(
-				sql`update ${nodes} set hits = hits + c.value, last_hit_at = ${at} from json_each(${counts}) as c where ${nodes.id} = c.key`,
-			);
+			if (writeNodes) {
+				const counts: Record<string, [number, number]> = {};
+				for (const [id, u] of unwritten) {
+					// Evicted since it was counted: nothing to write.
+					if (this.#index.has(id)) counts[id] = [u.n, u.at];
+				}
+				// The join parses the counts once and finds each node by its index.
+				this.#db.run(
+					sql`update ${nodes} set hits = hits + (c.value ->> 0), last_hit_at = (c.value ->> 1) from json_each(${JSON.stringify(counts)}) as c where ${nodes.id} = c.key`,
+				);
+				unwritten.clear();
+				this.#nodeHitsWrittenAt = at;
+			}
 			for (const [name, t] of perTool) {
 				this.#bumpTool(name, {
 					lookups: t.hits + t.misses,

@@ -535,6 +535,41 @@ describe("lookup and record", () => {
 		});
 	});
 
+	it("writes a node's hit count at most every 30 s from its alarm, at once for a read", async () => {
+		const t = taskApi(keys.trainer, "node-hits");
+		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 40)] });
+		const id = childId(ROOT_ID, callKey(M1));
+		const stub = env.TASK_GRAPH.get(
+			env.TASK_GRAPH.idFromName(`${keys.name}/node-hits`),
+		);
+		const scope = { project: keys.name, task: "node-hits" };
+		const hit = { id, tool: "bash", execMs: 40 };
+		const stored = () =>
+			runInDurableObject(stub, (_, state) => ({
+				tool: state.storage.sql.exec("select hits from tool_stats").one().hits,
+				node: state.storage.sql
+					.exec("select hits from nodes where id = ?", id)
+					.one().hits,
+			}));
+		// The first alarm writes both.
+		await stub.countHits(scope, [hit]);
+		expect(await runDurableObjectAlarm(stub)).toBe(true);
+		expect(await stored()).toEqual({ tool: 1, node: 1 });
+		// The next one writes the tool's counters only.
+		await stub.countHits(scope, [hit, hit]);
+		expect(await runDurableObjectAlarm(stub)).toBe(true);
+		expect(await stored()).toEqual({ tool: 3, node: 1 });
+		// 30 s after the last write, an alarm (armed for it) writes the node's.
+		advanceClock(30_000);
+		expect(await runDurableObjectAlarm(stub)).toBe(true);
+		expect(await stored()).toEqual({ tool: 3, node: 3 });
+		// A read writes them at once, and counts what it reads.
+		await stub.countHits(scope, [hit]);
+		const graph = (await t.graph()).body;
+		expect(graph.nodes.find((n: { id: string }) => n.id === id).hits).toBe(4);
+		expect(await stored()).toEqual({ tool: 4, node: 4 });
+	});
+
 	it("keeps every acknowledged record across a restart of the task graph", async () => {
 		const t = taskApi(keys.trainer, "restart");
 		const rec = await t.record({
