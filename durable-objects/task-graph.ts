@@ -1309,11 +1309,11 @@ export class TaskGraph extends DurableObject<Env> {
 	 * of edge hits then writes nothing, so its answer does not wait for a
 	 * commit, and a busy task commits its counters once an alarm. The hits
 	 * of each node are written less often, at most every NODE_HITS_WRITE_MS
-	 * outside graph reads and eviction, which write them at once: each is an update
-	 * of the node's whole row, and a task whose hits spread over thousands
-	 * of nodes spent more of its CPU on those updates than on answering.
-	 * What a crash loses is at most those seconds of counters; no cached
-	 * output depends on them.
+	 * but at once for a graph read or eviction, which read them: each is an
+	 * update of the node's whole row, and with hits spread over thousands of
+	 * nodes those updates took a tenth of the process's CPU. What a crash
+	 * loses is at most those seconds of counters; no cached output depends
+	 * on them.
 	 */
 	#countHit(tool: string, id: string, execMs: number): void {
 		this.#pendingHits.push({ id, tool, execMs });
