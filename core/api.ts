@@ -57,6 +57,13 @@ export const Id = z
 	.string()
 	.regex(ID_PATTERN, "must be 64 lowercase hex digits");
 
+/** A validation failure as the API reports it: the first issue, after its path. */
+export function firstIssue(error: z.ZodError): string {
+	const issue = error.issues[0];
+	const where = issue.path.length > 0 ? `${issue.path.join(".")}: ` : "";
+	return `${where}${issue.message}`;
+}
+
 /** Task names are chosen by the trainer: a dataset id, an instance id, ... */
 export const TaskName = z
 	.string()

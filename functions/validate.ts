@@ -12,6 +12,7 @@ import type { Context, ValidationTargets } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import { validator } from "hono/validator";
 import type { z } from "zod";
+import { firstIssue } from "../core/api.ts";
 import { apiError } from "./errors.ts";
 
 export function valid<
@@ -23,11 +24,8 @@ export function valid<
 
 function check<T extends z.ZodType>(schema: T, value: unknown): z.output<T> {
 	const result = schema.safeParse(value);
-	if (!result.success) {
-		const issue = result.error.issues[0];
-		const where = issue.path.length > 0 ? `${issue.path.join(".")}: ` : "";
-		throw apiError(400, "invalid_request", `${where}${issue.message}`);
-	}
+	if (!result.success)
+		throw apiError(400, "invalid_request", firstIssue(result.error));
 	return result.data;
 }
 

@@ -46,6 +46,7 @@ import {
 	type StartSandboxResponse,
 	type Template,
 } from "../core/host-api.ts";
+import { firstIssue } from "../core/api.ts";
 import { verify } from "../core/signing.ts";
 import { WarmPool, type PoolSpec } from "./pool.ts";
 import {
@@ -205,11 +206,7 @@ function parse<T extends z.ZodType>(
 		}
 	}
 	const r = schema.safeParse(json);
-	if (!r.success) {
-		const issue = r.error.issues[0];
-		const where = issue.path.length > 0 ? `${issue.path.join(".")}: ` : "";
-		throw hostError(400, "invalid_request", `${where}${issue.message}`);
-	}
+	if (!r.success) throw hostError(400, "invalid_request", firstIssue(r.error));
 	return r.data;
 }
 
