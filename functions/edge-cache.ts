@@ -58,6 +58,7 @@ export const SEEN_MAX_CHARS = 16 << 10;
 
 let cache: LRUCache<string, Entry | Seen> | null = null;
 
+const WIDE = /[^\u0000-\u00ff]/;
 /**
  * What an entry's string takes in memory, and a fixed overhead. V8 keeps a
  * string whose characters are all Latin-1 at one byte each (most JSON),
@@ -65,7 +66,6 @@ let cache: LRUCache<string, Entry | Seen> | null = null;
  */
 const entrySize = (text: string) =>
 	text.length * (WIDE.test(text) ? 2 : 1) + 256;
-const WIDE = /[^\u0000-\u00ff]/;
 
 /** The isolate's cache, or null when `EDGE_CACHE_BYTES` is 0. */
 function store(env: Env): LRUCache<string, Entry | Seen> | null {
@@ -81,24 +81,27 @@ function store(env: Env): LRUCache<string, Entry | Seen> | null {
 	return cache;
 }
 
-/** A hit's key: no project name starts with the NUL that a body's key does. */
+/**
+ * A hit's key. A body's key is its text as it came: only valid JSON is kept,
+ * and JSON never holds the raw NUL that every hit's key does. (No prefix:
+ * it would copy each lookup's text to look it up.)
+ */
 const cacheKey = (scope: Scope, id: string) =>
 	`${scope.project}\u0000${scope.task}\u0000${id}`;
-const seenKey = (text: string) => `\u0000${text}`;
 
 /**
  * The result id that lookup body `text` names, if this isolate answered it
  * with a hit before: the body was valid then, and is the same text now.
  */
 export function seenLookup(env: Env, text: string): string | undefined {
-	const e = store(env)?.get(seenKey(text));
+	const e = store(env)?.get(text);
 	return e && !("json" in e) ? e.id : undefined;
 }
 
 /** Remembers that lookup body `text`, answered with a hit, names result `id`. */
 export function rememberLookup(env: Env, text: string, id: string): void {
 	if (text.length > SEEN_MAX_CHARS) return;
-	store(env)?.set(seenKey(text), { id }, { size: entrySize(text) });
+	store(env)?.set(text, { id }, { size: entrySize(text) });
 }
 
 export function cachedHit(

@@ -10,6 +10,7 @@ import { callKey, childId, obsId } from "../../core/ids.ts";
 import {
 	EDGE_TTL_MS,
 	SEEN_MAX_CHARS,
+	cachedHit,
 	seenLookup,
 } from "../../functions/edge-cache.ts";
 import {
@@ -369,6 +370,27 @@ describe("lookup and record", () => {
 		expect((await t.stats()).body).toMatchObject({ lookups: 5, hits: 4 });
 	});
 
+	it("never takes a hit's own key, sent as a body, for a remembered body", async () => {
+		const t = taskApi(keys.trainer, "seen-key");
+		const rec = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("seen 4"), "a")],
+		});
+		const id = rec.body.results[0].id;
+		// The cache's key of that hit: not JSON, so never a body it keeps.
+		const hitKey = `${keys.name}\u0000seen-key\u0000${id}`;
+		expect(
+			cachedHit(env, { project: keys.name, task: "seen-key" }, id),
+		).toBeDefined();
+		expect(seenLookup(env, hitKey)).toBeUndefined();
+		const r = await api("POST", "/v1/tasks/seen-key/lookup", {
+			key: keys.trainer,
+			body: hitKey,
+			headers: { "content-type": "application/json" },
+		});
+		expectError(r, 400, "invalid_json");
+	});
+
 	it("remembers no lookup text with the edge cache off", async () => {
 		const t = taskApi(keys.trainer, "seen-off", NO_EDGE);
 		await t.record({ from: ROOT_ID, calls: [run(bash("seen 3"), "a")] });
@@ -377,7 +399,8 @@ describe("lookup and record", () => {
 		expect((await t.lookup(body)).headers.get("server-timing")).toMatch(
 			/^graph;/,
 		);
-		expect(seenLookup(NO_EDGE, JSON.stringify(body))).toBeUndefined();
+		// Nothing reached the cache the configured bindings use.
+		expect(seenLookup(env, JSON.stringify(body))).toBeUndefined();
 	});
 
 	it("answers the same lookup text in another task by that task's graph", async () => {
