@@ -76,6 +76,7 @@ import {
 	type RequestSpec,
 } from "./loadgen.ts";
 import { chartOfResults } from "./chart.ts";
+import { quantile } from "./workloads.ts";
 
 // ---------------------------------------------------------------- options
 
@@ -1438,11 +1439,8 @@ async function compare(base: string): Promise<number> {
 				}
 			}
 		}
-		const median = (xs: number[]) => {
-			const v = [...xs].sort((a, b) => a - b);
-			const m = v.length >> 1;
-			return v.length % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
-		};
+		// The middle round (of an even number, the lower of the two).
+		const median = (xs: number[]) => quantile(xs, 0.5);
 		const of = (runs: RouteRun[], rate: number, route: Route) => {
 			const rs = runs.filter((r) => r.targetRate === rate && r.route === route);
 			return {
