@@ -171,6 +171,13 @@ const MAX_PENDING_COUNTS = 4096;
  * (its tools' counters are written by every alarm; see #flushCounts).
  */
 const NODE_HITS_WRITE_MS = 30_000;
+/**
+ * The most nodes' hit counts one write takes (about 20 ms of the object's
+ * one thread on a 2-core machine, the row rewrites dominating); a round with
+ * more goes on at the following alarms, INDEX_FLUSH_DELAY_MS apart, so a
+ * task with hits on many nodes never blocks its lookups for long.
+ */
+const NODE_HITS_WRITE_BATCH = 2048;
 
 export class TaskGraph extends DurableObject<Env> {
 	#db: DrizzleSqliteDODatabase<typeof schema>;
@@ -191,6 +198,8 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Hits per node counted but not yet written, and when they were counted. */
 	#unwrittenNodeHits = new Map<string, { n: number; at: number }>();
 	#nodeHitsWrittenAt = 0;
+	/** Nodes the current round of node-hit writes has still to write (see #flushCounts). */
+	#nodeHitsRoundLeft = 0;
 
 	constructor(ctx: DurableObjectState, env: Env) {
 		super(ctx, env);
@@ -507,7 +516,7 @@ export class TaskGraph extends DurableObject<Env> {
 	async stats(scope: Scope): Promise<TaskStats | null> {
 		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
 		// Only the tools' counters: no figure here reads a node's hits.
-		this.#flushCounts("when due");
+		this.#flushCounts("none");
 		const tools: Record<string, ToolStats> = {};
 		const total = {
 			lookups: 0,
@@ -723,9 +732,11 @@ export class TaskGraph extends DurableObject<Env> {
 			next.live,
 			next.forget === null ? null : next.forget + EXPIRED_LEASE_MEMORY_MS,
 			this.#indexDirty ? at + INDEX_FLUSH_DELAY_MS : null,
-			this.#unwrittenNodeHits.size > 0
-				? this.#nodeHitsWrittenAt + NODE_HITS_WRITE_MS
-				: null,
+			this.#nodeHitsRoundLeft > 0
+				? at + INDEX_FLUSH_DELAY_MS
+				: this.#unwrittenNodeHits.size > 0
+					? this.#nodeHitsWrittenAt + NODE_HITS_WRITE_MS
+					: null,
 		].filter((t): t is number => t !== null);
 		if (due.length > 0) this.#armAlarm(Math.min(...due));
 	}
@@ -1308,17 +1319,17 @@ export class TaskGraph extends DurableObject<Env> {
 	 * or eviction, or once MAX_PENDING_COUNTS hits wait: a lookup or a batch
 	 * of edge hits then writes nothing, so its answer does not wait for a
 	 * commit, and a busy task commits its counters once an alarm. The hits
-	 * of each node are written less often, at most every NODE_HITS_WRITE_MS
-	 * but at once for a graph read or eviction, which read them: each is an
-	 * update of the node's whole row, and with hits spread over thousands of
-	 * nodes those updates took a tenth of the process's CPU. What a crash
-	 * loses is at most those seconds of counters; no cached output depends
-	 * on them.
+	 * of each node are written less often, in a round every NODE_HITS_WRITE_MS
+	 * that alarms write NODE_HITS_WRITE_BATCH nodes at a time, but at once
+	 * for a graph read or eviction, which read them: each is an update of
+	 * the node's whole row, and with hits spread over thousands of nodes
+	 * those updates took a tenth of the process's CPU. What a crash loses is
+	 * at most those seconds of counters; no cached output depends on them.
 	 */
 	#countHit(tool: string, id: string, execMs: number): void {
 		this.#pendingHits.push({ id, tool, execMs });
 		if (this.#pendingHits.length >= MAX_PENDING_COUNTS)
-			this.#flushCounts("when due");
+			this.#flushCounts("none");
 	}
 
 	#countMiss(tool: string): void {
@@ -1326,11 +1337,14 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	/**
-	 * Writes the counted hits and misses: one upsert per tool, and with
-	 * `nodeHits` "now", or "when due" once NODE_HITS_WRITE_MS have passed since
-	 * they last were, one statement for the hits of every node.
+	 * Writes the counted hits and misses: one upsert per tool, and the hits
+	 * of nodes. With `nodeHits` "all", every node's, in one statement; with
+	 * "when due", a round of them once NODE_HITS_WRITE_MS have passed since
+	 * the last round began, NODE_HITS_WRITE_BATCH nodes a call, first counted
+	 * first written, until the nodes counted when it began are written; with
+	 * "none", no node's.
 	 */
-	#flushCounts(nodeHits: "now" | "when due" = "now"): void {
+	#flushCounts(nodeHits: "all" | "when due" | "none" = "all"): void {
 		const hits = this.#pendingHits;
 		const misses = this.#pendingMisses;
 		this.#pendingHits = [];
@@ -1359,15 +1373,34 @@ export class TaskGraph extends DurableObject<Env> {
 			t.savedMs += h.execMs;
 		}
 		for (const [name, n] of misses) tool(name).misses += n;
-		const writeNodes =
+		if (nodeHits === "all") {
+			this.#nodeHitsRoundLeft = unwritten.size;
+			this.#nodeHitsWrittenAt = at;
+		} else if (
+			nodeHits === "when due" &&
+			this.#nodeHitsRoundLeft === 0 &&
 			unwritten.size > 0 &&
-			(nodeHits === "now" ||
-				at - this.#nodeHitsWrittenAt >= NODE_HITS_WRITE_MS);
-		if (perTool.size === 0 && !writeNodes) return;
+			at - this.#nodeHitsWrittenAt >= NODE_HITS_WRITE_MS
+		) {
+			this.#nodeHitsRoundLeft = unwritten.size;
+			this.#nodeHitsWrittenAt = at;
+		}
+		const take =
+			nodeHits === "all"
+				? this.#nodeHitsRoundLeft
+				: nodeHits === "when due"
+					? Math.min(this.#nodeHitsRoundLeft, NODE_HITS_WRITE_BATCH)
+					: 0;
+		if (perTool.size === 0 && take === 0) return;
 		this.ctx.storage.transactionSync(() => {
-			if (writeNodes) {
+			if (take > 0) {
 				const counts: Record<string, [number, number]> = {};
+				const taken: string[] = [];
+				// A Map iterates in insertion order, and a count is updated in place:
+				// the nodes first counted are first written.
 				for (const [id, u] of unwritten) {
+					if (taken.length === take) break;
+					taken.push(id);
 					// Evicted since it was counted: nothing to write.
 					if (this.#index.has(id)) counts[id] = [u.n, u.at];
 				}
@@ -1375,8 +1408,9 @@ export class TaskGraph extends DurableObject<Env> {
 				this.#db.run(
 					sql`update ${nodes} set hits = hits + (c.value ->> 0), last_hit_at = (c.value ->> 1) from json_each(${JSON.stringify(counts)}) as c where ${nodes.id} = c.key`,
 				);
-				unwritten.clear();
-				this.#nodeHitsWrittenAt = at;
+				for (const id of taken) unwritten.delete(id);
+				this.#nodeHitsRoundLeft =
+					unwritten.size === 0 ? 0 : this.#nodeHitsRoundLeft - taken.length;
 			}
 			for (const [name, t] of perTool) {
 				this.#bumpTool(name, {

@@ -5,7 +5,7 @@ import {
 	runInDurableObject,
 } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
-import { advanceClock } from "../../core/clock.ts";
+import { advanceClock, now } from "../../core/clock.ts";
 import { callKey, childId, obsId } from "../../core/ids.ts";
 import {
 	EDGE_TTL_MS,
@@ -591,6 +591,48 @@ describe("lookup and record", () => {
 		const graph = (await t.graph()).body;
 		expect(graph.nodes.find((n: { id: string }) => n.id === id).hits).toBe(4);
 		expect(await stored()).toEqual({ tool: 4, node: 4 });
+	});
+
+	it("writes a round of node hit counts 2,048 nodes an alarm, the rest at the next ones", async () => {
+		const t = taskApi(keys.trainer, "node-hit-rounds");
+		const calls = Array.from({ length: 2100 }, (_, i) =>
+			bash(`cat f${i}`, false),
+		);
+		await t.record({
+			from: ROOT_ID,
+			calls: calls.map((c, i) => run(c, `o${i}`, 1)),
+		});
+		const stub = env.TASK_GRAPH.get(
+			env.TASK_GRAPH.idFromName(`${keys.name}/node-hit-rounds`),
+		);
+		const scope = { project: keys.name, task: "node-hit-rounds" };
+		await stub.countHits(
+			scope,
+			calls.map((c) => ({
+				id: obsId(ROOT_ID, callKey(c)),
+				tool: "bash",
+				execMs: 1,
+			})),
+		);
+		const stored = () =>
+			runInDurableObject(stub, async (_, state) => ({
+				tool: state.storage.sql.exec("select hits from tool_stats").one().hits,
+				nodes: state.storage.sql
+					.exec("select count(*) as n from nodes where hits = 1")
+					.one().n,
+				alarmIn: ((await state.storage.getAlarm()) ?? Infinity) - now(),
+			}));
+		// The first alarm counts every hit for the tool, and writes 2,048 nodes'.
+		expect(await runDurableObjectAlarm(stub)).toBe(true);
+		const first = await stored();
+		expect(first).toMatchObject({ tool: 2100, nodes: 2048 });
+		// The round goes on at the next alarm, seconds away rather than 30 s.
+		expect(first.alarmIn).toBeLessThanOrEqual(2000);
+		expect(await runDurableObjectAlarm(stub)).toBe(true);
+		const second = await stored();
+		expect(second).toMatchObject({ tool: 2100, nodes: 2100 });
+		// With every node written, no alarm is left for them.
+		expect(second.alarmIn).toBe(Infinity);
 	});
 
 	it("keeps every acknowledged record across a restart of the task graph", async () => {
