@@ -9,7 +9,7 @@
  */
 import { spawn } from "node:child_process";
 import { once } from "node:events";
-import { ms, runLoad, type LoadResult } from "./loadgen.ts";
+import { ms, runLoad, stallsOf, type LoadResult } from "./loadgen.ts";
 
 // GET /ok: 200 at once. /slow?ms=N: 200 after N ms (a timer, not busy).
 // /stall?ms=N: blocks the server's event loop for N ms once, then 200.
@@ -122,6 +122,15 @@ try {
 		r.latencyUs.p99 > 300_000 &&
 			r.latencyUs.p50 < 50_000 &&
 			r.latencyUs.max >= 450_000,
+		r,
+	);
+	const stalls = stallsOf(r.timelineMaxMs);
+	expect(
+		"a 500 ms server stall reads as one stall of the timeline, peaking near 500 ms",
+		stalls.length === 1 &&
+			stalls[0].peakMs >= 450 &&
+			stalls[0].peakMs < 700 &&
+			Math.abs(stalls[0].atS - 1.3) < 0.3,
 		r,
 	);
 

@@ -175,6 +175,39 @@ export function summarize(h: hdr.Histogram): LatencySummary {
 
 const TIMELINE_MS = 100;
 
+/**
+ * A stall: consecutive windows of the timeline (`timelineMaxMs`) whose worst
+ * latency reached a threshold. One server pause of d ms shows as one stall
+ * peaking near d ms; percentiles spread it over thousands of requests.
+ */
+export interface Stall {
+	/** When its first window began, in seconds into the measured phase. */
+	atS: number;
+	/** How many windows of TIMELINE_MS it spans. */
+	windows: number;
+	/** Its worst latency, ms. */
+	peakMs: number;
+}
+
+/** The stalls of a run's timeline: runs of windows at or over `atLeastMs`. */
+export function stallsOf(timelineMaxMs: number[], atLeastMs = 100): Stall[] {
+	const out: Stall[] = [];
+	let open: Stall | null = null;
+	for (const [i, v] of timelineMaxMs.entries()) {
+		if (v < atLeastMs) {
+			open = null;
+			continue;
+		}
+		if (open === null) {
+			open = { atS: (i * TIMELINE_MS) / 1000, windows: 0, peakMs: 0 };
+			out.push(open);
+		}
+		open.windows++;
+		open.peakMs = Math.max(open.peakMs, v);
+	}
+	return out;
+}
+
 /** Milliseconds since an arbitrary origin, sub-ms resolution. */
 const now = () => performance.now();
 

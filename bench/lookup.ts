@@ -68,6 +68,7 @@ import {
 	newHistogram,
 	recordMs,
 	runLoad,
+	stallsOf,
 	startProgress,
 	summarize,
 	type IncomingHeaders,
@@ -1073,6 +1074,11 @@ function judge(runs: RouteRun[]): Line[] {
 			notes.push(`p50 over ${TARGET.hitOverFloor}x floor`);
 		}
 		if (r.behind) notes.push(`generator late ${r.lateSends}x`);
+		const stalls = stallsOf(r.timelineMaxMs);
+		if (stalls.length > 0) {
+			const peak = Math.max(...stalls.map((s) => s.peakMs));
+			notes.push(`${stalls.length} stalls, worst ${Math.round(peak)} ms`);
+		}
 		if (r.otherCores !== null && r.otherCores > NOISY_CORES) {
 			notes.push(`other load ${r.otherCores} cores`);
 		}
@@ -1234,8 +1240,19 @@ function logRun(r: RouteRun): void {
 				: "") +
 			`; stack CPU ms/request ${JSON.stringify(r.stackCpuMsPerRequest)}` +
 			`, other load ${r.otherCores ?? "?"} cores, settled in ${r.settleMs} ms` +
+			stallText(r) +
 			"\n",
 	);
+}
+
+/** The run's stalls (see loadgen.ts stallsOf), worst first, for the log. */
+function stallText(r: RouteRun): string {
+	const stalls = stallsOf(r.timelineMaxMs).sort((a, b) => b.peakMs - a.peakMs);
+	if (stalls.length === 0) return "";
+	const worst = stalls
+		.slice(0, 3)
+		.map((s) => `${Math.round(s.peakMs)} ms at ${s.atS.toFixed(1)} s`);
+	return `; ${stalls.length} stalls of 100+ ms (worst ${worst.join(", ")})`;
 }
 
 const runId = Date.now().toString(36);
