@@ -272,7 +272,12 @@ export async function runLoad(opts: LoadOptions): Promise<LoadResult> {
 	const pool = new Pool(opts.origin, {
 		connections,
 		pipelining: 1,
-		keepAliveTimeout: 30_000,
+		// workerd closes a connection idle for 5 s and sends no Keep-Alive
+		// hint; a client that keeps it longer sends into that close now and
+		// then and reads a reset (ECONNRESET, "other side closed"). A pool
+		// sized for peak rate has idle connections at every rate.
+		keepAliveTimeout: 2_000,
+		keepAliveMaxTimeout: 2_000,
 		headersTimeout: timeoutMs,
 		bodyTimeout: timeoutMs,
 		connect: { timeout: Math.min(timeoutMs, 5000) },
