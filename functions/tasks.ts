@@ -86,9 +86,19 @@ function timing(
 	return `${name};dur=${ms.toFixed(2)}, total;dur=${total.toFixed(2)}`;
 }
 
-/** A JSON answer already serialized (an edge hit's). */
-function json(c: Context<AppEnv>, body: string): Response {
-	return c.body(body, 200, { "Content-Type": "application/json" });
+/**
+ * A hit's answer, its JSON already serialized. Built here, not through
+ * hono's `c.header` and `c.body`, which make a second `Headers` for the
+ * `Response` to copy: each such runtime object lives until a full garbage
+ * collection, and is then finalized on the isolate's one thread.
+ */
+function json(body: string, serverTiming: string): Response {
+	return new Response(body, {
+		headers: {
+			"Content-Type": "application/json",
+			"Server-Timing": serverTiming,
+		},
+	});
 }
 
 /**
@@ -110,8 +120,7 @@ function edgeHit(
 		() => graph(c),
 	);
 	if (send) c.executionCtx.waitUntil(send);
-	c.header("Server-Timing", timing(start, { edge: performance.now() - start }));
-	return json(c, edge.json);
+	return json(edge.json, timing(start, { edge: performance.now() - start }));
 }
 
 tasks.get(
@@ -195,14 +204,14 @@ tasks.post(
 				leaseTtlMs: leaseTtl(c.env, req.leaseTtlMs),
 			})) as Result<StoredHit | Miss>,
 		);
-		const graphMs = performance.now() - t0;
-		c.header("Server-Timing", timing(start, { graph: graphMs }));
+		const took = timing(start, { graph: performance.now() - t0 });
 		if (r.status === "hit") {
 			const hit = await materialize(c.env, r);
 			const answer = rememberHit(c.env, scope, call.tool, hit);
 			if (text !== null) rememberLookup(c.env, text, id);
-			return json(c, answer);
+			return json(answer, took);
 		}
+		c.header("Server-Timing", took);
 		return c.json(r satisfies LookupResponse);
 	},
 );
@@ -221,11 +230,12 @@ tasks.get("/:task/results/:id", task, trainer, async (c) => {
 	const scope = c.get("scope");
 	const t0 = performance.now();
 	const r = await graph(c).result(scope, id.data);
-	c.header("Server-Timing", timing(start, { graph: performance.now() - t0 }));
+	const took = timing(start, { graph: performance.now() - t0 });
+	c.header("Server-Timing", took);
 	if (r === null)
 		throw apiError(404, "not_found", "no result with this id is recorded");
 	const hit = await materialize(c.env, r.hit);
-	return json(c, rememberHit(c.env, scope, r.tool, hit));
+	return json(rememberHit(c.env, scope, r.tool, hit), took);
 });
 
 tasks.post(

@@ -10,6 +10,7 @@
  */
 import type { Context, ValidationTargets } from "hono";
 import { bodyLimit } from "hono/body-limit";
+import { createMiddleware } from "hono/factory";
 import { validator } from "hono/validator";
 import type { z } from "zod";
 import { firstIssue } from "../core/api.ts";
@@ -58,12 +59,23 @@ export function parseJson<T extends z.ZodType>(
 	return check(schema, value);
 }
 
-/** A JSON body of at most `max` bytes; larger bodies get 413 before parsing. */
+/**
+ * A JSON body of at most `max` bytes; larger bodies get 413 before parsing.
+ * A body that declares its length is judged by that header alone (HTTP
+ * framing ends it there); hono's `bodyLimit`, which counts a body without
+ * one as it streams, first asks for `req.body`, and on every request that
+ * makes the runtime a stream object to finalize later (see tasks.ts json).
+ */
 export function jsonBody(max: number) {
-	return bodyLimit({
-		maxSize: max,
-		onError: () => {
-			throw apiError(413, "too_large", `the body is larger than ${max} bytes`);
-		},
+	const tooLarge = () => {
+		throw apiError(413, "too_large", `the body is larger than ${max} bytes`);
+	};
+	const streamed = bodyLimit({ maxSize: max, onError: tooLarge });
+	return createMiddleware(async (c, next) => {
+		const length = c.req.header("content-length");
+		if (length === undefined || c.req.header("transfer-encoding") !== undefined)
+			return streamed(c, next);
+		if (Number(length) > max) tooLarge();
+		await next();
 	});
 }

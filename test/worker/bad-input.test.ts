@@ -117,6 +117,50 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 		"too_large",
 	],
 	[
+		"a lookup body over 1 MiB that says its length",
+		() => {
+			const body = JSON.stringify({
+				history: [],
+				call: { tool: "t", args: "x".repeat(LIMITS.lookupBody) },
+			});
+			return api("POST", `${T}/lookup`, {
+				key,
+				body,
+				headers: {
+					"content-type": "application/json",
+					"content-length": String(body.length),
+				},
+			});
+		},
+		413,
+		"too_large",
+	],
+	[
+		"a lookup body over 1 MiB streamed without a length",
+		() => {
+			const bytes = new TextEncoder().encode(
+				JSON.stringify({
+					history: [],
+					call: { tool: "t", args: "x".repeat(LIMITS.lookupBody) },
+				}),
+			);
+			// A stream the runtime cannot know the length of: sent chunked.
+			const body = new ReadableStream({
+				start(controller) {
+					controller.enqueue(bytes);
+					controller.close();
+				},
+			});
+			return api("POST", `${T}/lookup`, {
+				key,
+				body,
+				headers: { "content-type": "application/json" },
+			});
+		},
+		413,
+		"too_large",
+	],
+	[
 		"args nested deeper than the limit",
 		() =>
 			api("POST", `${T}/lookup`, {

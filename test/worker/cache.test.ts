@@ -635,6 +635,26 @@ describe("lookup and record", () => {
 		expect(second.alarmIn).toBe(Infinity);
 	});
 
+	it("reads a lookup body sent without a length, as one that says it", async () => {
+		const t = taskApi(keys.trainer, "streamed");
+		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 40)] });
+		const text = JSON.stringify({ history: [], call: M1 });
+		const body = new ReadableStream({
+			start(controller) {
+				controller.enqueue(new TextEncoder().encode(text));
+				controller.close();
+			},
+		});
+		const r = await api("POST", "/v1/tasks/streamed/lookup", {
+			key: keys.trainer,
+			body,
+			headers: { "content-type": "application/json" },
+		});
+		expect(r.status).toBe(200);
+		expect(r.body).toMatchObject({ status: "hit", output: "a" });
+		expect(r.headers.get("server-timing")).toMatch(/^(edge|graph);dur=/);
+	});
+
 	it("keeps every acknowledged record across a restart of the task graph", async () => {
 		const t = taskApi(keys.trainer, "restart");
 		const rec = await t.record({
