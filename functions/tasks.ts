@@ -231,9 +231,10 @@ tasks.get("/:task/results/:id", task, trainer, async (c) => {
 	const t0 = performance.now();
 	const r = await graph(c).result(scope, id.data);
 	const took = timing(start, { graph: performance.now() - t0 });
-	c.header("Server-Timing", took);
-	if (r === null)
+	if (r === null) {
+		c.header("Server-Timing", took);
 		throw apiError(404, "not_found", "no result with this id is recorded");
+	}
 	const hit = await materialize(c.env, r.hit);
 	return json(rememberHit(c.env, scope, r.tool, hit), took);
 });

@@ -39,6 +39,9 @@ describe("lookup and record", () => {
 		const t = taskApi(keys.trainer, "first");
 		const miss = await t.lookup({ history: [], call: M1 });
 		expect(miss.status).toBe(200);
+		expect(miss.headers.get("server-timing")).toMatch(
+			/^graph;dur=[0-9.]+, total;dur=/,
+		);
 		expect(miss.body).toMatchObject({
 			status: "miss",
 			state: ROOT_ID,
