@@ -22,6 +22,7 @@ import {
 	project,
 	run,
 	taskApi,
+	unsizedBody,
 } from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
@@ -641,16 +642,9 @@ describe("lookup and record", () => {
 	it("reads a lookup body sent without a length, as one that says it", async () => {
 		const t = taskApi(keys.trainer, "streamed");
 		await t.record({ from: ROOT_ID, calls: [run(M1, "a", 40)] });
-		const text = JSON.stringify({ history: [], call: M1 });
-		const body = new ReadableStream({
-			start(controller) {
-				controller.enqueue(new TextEncoder().encode(text));
-				controller.close();
-			},
-		});
 		const r = await api("POST", "/v1/tasks/streamed/lookup", {
 			key: keys.trainer,
-			body,
+			body: unsizedBody(JSON.stringify({ history: [], call: M1 })),
 			headers: { "content-type": "application/json" },
 		});
 		expect(r.status).toBe(200);

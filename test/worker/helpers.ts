@@ -116,6 +116,20 @@ export const run = (
  * The Worker's bindings with its edge cache turned off: a record sent under
  * them leaves the first lookup to the task graph.
  */
+/**
+ * `text` as a body the runtime cannot know the length of: it is sent
+ * without `Content-Length`, and a body limit has to count it as it streams.
+ */
+export function unsizedBody(text: string): ReadableStream<Uint8Array> {
+	const bytes = new TextEncoder().encode(text);
+	return new ReadableStream({
+		start(controller) {
+			controller.enqueue(bytes);
+			controller.close();
+		},
+	});
+}
+
 export const NO_EDGE: Env = {
 	...env,
 	// `wrangler types` types each variable as its configured value.
