@@ -1374,7 +1374,6 @@ export class TaskGraph extends DurableObject<Env> {
 		}
 		for (const [name, n] of misses) tool(name).misses += n;
 		if (nodeHits === "all") {
-			this.#nodeHitsRoundLeft = unwritten.size;
 			this.#nodeHitsWrittenAt = at;
 		} else if (
 			nodeHits === "when due" &&
@@ -1387,7 +1386,7 @@ export class TaskGraph extends DurableObject<Env> {
 		}
 		const take =
 			nodeHits === "all"
-				? this.#nodeHitsRoundLeft
+				? unwritten.size
 				: nodeHits === "when due"
 					? Math.min(this.#nodeHitsRoundLeft, NODE_HITS_WRITE_BATCH)
 					: 0;
