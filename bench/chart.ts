@@ -161,11 +161,13 @@ export function renderChart(
 interface LookupResults {
 	meta: { date: string; cpus: number; target: string; commit: string | null };
 	options: { direct?: boolean };
-	runs: {
+	/** One per route and rate (medians over its rounds; latencies in µs). */
+	lines: {
 		route: string;
-		targetRate: number;
-		achievedRate: number;
-		latencyUs: { p50: number; p99: number };
+		rate: number;
+		achieved: number;
+		p50: number;
+		p99: number;
 	}[];
 }
 
@@ -178,12 +180,12 @@ export function chartOfResults(r: LookupResults): string {
 				? "wrangler dev, direct"
 				: "wrangler dev, via its proxy";
 	return renderChart(
-		r.runs.map((x) => ({
+		r.lines.map((x) => ({
 			series: x.route,
-			rate: x.targetRate,
-			p50Us: x.latencyUs.p50,
-			p99Us: x.latencyUs.p99,
-			achieved: x.achievedRate,
+			rate: x.rate,
+			p50Us: x.p50,
+			p99Us: x.p99,
+			achieved: x.achieved,
 		})),
 		"Exact-hit lookups vs the /healthz floor",
 		`${via}; ${r.meta.cpus} cores shared with the generator; ` +

@@ -4,7 +4,9 @@
  *
  * 1. Starts a local stack (or targets `--url`/`--key`), and records `--paths`
  *    distinct three-call paths into one fresh task.
- * 2. For each rate, in this order so that all of them see the same machine:
+ * 2. For each rate, `--rounds` rounds (3), each running every route once so
+ *    that a hit and its floor see the same machine within seconds (each
+ *    round starts with the next route in this list):
  *    - floor: `GET /healthz`, an unauthenticated route that does nothing;
  *    - hit (history): `POST lookup {history, call}` of a random recorded path;
  *    - hit (cursor):  `POST lookup {cursor, call}` of a random recorded path;
@@ -22,16 +24,17 @@
  *    `/v1/health` (a Durable Object round trip each) its graph floor. Then
  *    all three again back to back, a pair as soon as the last one answered
  *    (a busy server, without the idle machine's wake-ups).
- * 4. Prints a table with PASS/FAIL against the targets, writes the figures to
- *    bench/results/lookup.json and a chart to docs/benchmarks-lookup.svg.
+ * 4. Prints a table with PASS/FAIL against the targets (bench/judge.ts:
+ *    a hit's ratio is the median of its rounds' ratios), writes the figures
+ *    to bench/results/lookup.json and a chart to docs/benchmarks-lookup.svg.
  *
- * Flags: --rates 256,512 --duration 10 --warmup 2 --paths 8192 --quick
+ * Flags: --rates 256,512 --rounds 3 --duration 4 --warmup 2 --paths 8192 --quick
  *        --url URL --key KEY (a trainer key) --no-cursor --no-id --out FILE
  *        --chart FILE --miss-pairs 500 --miss-rate 50 --connections N
  *        --direct (bypass wrangler's dev proxy; see directUrl)
  *        --snapshot (run the Worker from a copy of HEAD; see startTarget)
  *        --no-edge-cache (hits from the task graph only; see above)
- *        --retries 2 (re-runs of a rate disturbed by other load)
+ *        --retries 2 (re-runs of a round disturbed by other load)
  *        --base REV (A/B: see below)
  *
  * With `--base REV` it compares two commits instead: it runs the stacks of
@@ -77,6 +80,7 @@ import {
 	type RequestSpec,
 } from "./loadgen.ts";
 import { chartOfResults } from "./chart.ts";
+import { isFloor, judge, NOISY_CORES, TARGET, type Line } from "./judge.ts";
 import { quantile } from "./workloads.ts";
 
 // ---------------------------------------------------------------- options
@@ -121,7 +125,7 @@ const opts = {
 	rates: (flags.rates ?? (quick ? "256,1024" : "256,512,1024,2048,4096"))
 		.split(",")
 		.map((r) => num(r.trim(), 0, "rates")),
-	durationMs: num(flags.duration, quick ? 2 : 10, "duration") * 1000,
+	durationMs: num(flags.duration, quick ? 2 : 4, "duration") * 1000,
 	warmupMs: num(flags.warmup, quick ? 0.5 : 2, "warmup") * 1000,
 	paths: Math.floor(num(flags.paths, quick ? 256 : 8192, "paths")),
 	cursor: !flags["no-cursor"],
@@ -140,8 +144,9 @@ const opts = {
 	noEdgeCache: flags["no-edge-cache"],
 	/** A/B against this commit (see the top of this file). */
 	base: flags.base,
-	rounds: Math.floor(num(flags.rounds, 3, "rounds")),
-	/** Re-runs of a rate whose runs saw other load on the machine. */
+	/** Runs of every route at each rate (see bench/judge.ts). */
+	rounds: Math.max(1, Math.floor(num(flags.rounds, quick ? 1 : 3, "rounds"))),
+	/** Re-runs of a round whose runs saw other load on the machine. */
 	retries:
 		flags.retries === undefined
 			? 2
@@ -183,16 +188,6 @@ if (
 		"--direct, --snapshot, --no-edge-cache and --base apply to the local stack, not --url",
 	);
 }
-
-/** The targets, from the issue. */
-const TARGET = {
-	/** Hit p50 at most this many times the floor's p50 ... */
-	hitOverFloor: 1.3,
-	/** ... at every rate where the floor reaches this share of its target. */
-	sustained: 0.95,
-	/** Miss + record pair p50, ms. */
-	missRecordP50Ms: 3,
-};
 
 // ---------------------------------------------------------------- workload
 
@@ -619,8 +614,6 @@ async function populate(
 type Route =
 	"floor" | "graph floor" | "hit (history)" | "hit (cursor)" | "hit (id)";
 
-const isFloor = (r: Route) => r === "floor" || r === "graph floor";
-
 interface RouteRun extends LoadResult {
 	route: Route;
 	/** Where the ok hits were answered, from `Server-Timing`. */
@@ -637,7 +630,9 @@ interface RouteRun extends LoadResult {
 	settleMs: number;
 	/** The Worker's workerd was replaced during the run: figures invalid. */
 	restarted: boolean;
-	/** Which try of this rate it was (see --retries). */
+	/** Which round of its rate it was (see --rounds). */
+	round?: number;
+	/** Which try of that round it was (see --retries). */
 	attempt?: number;
 	/** The handler's own `Server-Timing` total for the ok hits. */
 	serverUs?: LatencySummary;
@@ -1029,85 +1024,6 @@ async function floorPairs(
 
 // ---------------------------------------------------------------- report
 
-interface Line {
-	rate: number;
-	route: string;
-	achieved: number;
-	p50: number;
-	p95: number;
-	p99: number;
-	max: number;
-	errors: number;
-	/** Hit p50 over the floor's p50, same rate. */
-	ratio: number | null;
-	verdict: "PASS" | "FAIL";
-	note: string;
-}
-
-function judge(runs: RouteRun[]): Line[] {
-	const lines: Line[] = [];
-	for (const r of runs) {
-		const floor = runs.find(
-			(f) => f.route === "floor" && f.targetRate === r.targetRate,
-		);
-		const sustained =
-			floor !== undefined &&
-			floor.achievedRate >= TARGET.sustained * floor.targetRate;
-		const ratio =
-			!isFloor(r.route) && floor && floor.latencyUs.p50 > 0
-				? r.latencyUs.p50 / floor.latencyUs.p50
-				: null;
-		const graphFloor = runs.find(
-			(f) => f.route === "graph floor" && f.targetRate === r.targetRate,
-		);
-		const notes: string[] = [];
-		let pass = r.errors === 0 && !r.restarted;
-		if (r.restarted) notes.push("INVALID: the Worker restarted mid-run");
-		if (r.errors > 0) notes.push(`${r.errors} errors`);
-		if (isFloor(r.route)) {
-			if (r.achievedRate < TARGET.sustained * r.targetRate)
-				notes.push("floor not sustained");
-		} else if (!sustained) {
-			notes.push("ratio not judged: floor not sustained");
-		} else if (ratio !== null && ratio > TARGET.hitOverFloor) {
-			pass = false;
-			notes.push(`p50 over ${TARGET.hitOverFloor}x floor`);
-		}
-		if (r.behind) notes.push(`generator late ${r.lateSends}x`);
-		const stalls = stallsOf(r.timelineMaxMs);
-		if (stalls.length > 0) {
-			const peak = Math.max(...stalls.map((s) => s.peakMs));
-			notes.push(`${stalls.length} stalls, worst ${Math.round(peak)} ms`);
-		}
-		if (r.otherCores !== null && r.otherCores > NOISY_CORES) {
-			notes.push(`other load ${r.otherCores} cores`);
-		}
-		if (r.sources) {
-			// Only the lookup route says where a hit came from.
-			const n = r.sources.edge + r.sources.graph;
-			if (n > 0) notes.push(`${Math.round((100 * r.sources.edge) / n)}% edge`);
-		}
-		if (!isFloor(r.route) && graphFloor && graphFloor.latencyUs.p50 > 0) {
-			const g = r.latencyUs.p50 / graphFloor.latencyUs.p50;
-			notes.push(`${g.toFixed(2)}x graph floor`);
-		}
-		lines.push({
-			rate: r.targetRate,
-			route: r.route,
-			achieved: r.achievedRate,
-			p50: r.latencyUs.p50,
-			p95: r.latencyUs.p95,
-			p99: r.latencyUs.p99,
-			max: r.latencyUs.max,
-			errors: r.errors,
-			ratio,
-			verdict: pass ? "PASS" : "FAIL",
-			note: notes.join("; "),
-		});
-	}
-	return lines;
-}
-
 /** The miss + record pairs and their two floors, at one pace. */
 interface PairSet {
 	missRecord: PairRun;
@@ -1126,10 +1042,10 @@ function table(lines: Line[], sets: PairSet[]): string {
 		"p50 ms",
 		"p95 ms",
 		"p99 ms",
-		"max ms",
 		"errors",
-		"/floor",
+		"/floor p50",
 		"target",
+		"Worker CPU ms/req",
 		"note",
 	];
 	const rows = lines.map((l) => [
@@ -1139,10 +1055,10 @@ function table(lines: Line[], sets: PairSet[]): string {
 		ms(l.p50),
 		ms(l.p95),
 		ms(l.p99),
-		ms(l.max),
 		String(l.errors),
 		l.ratio === null ? "" : `${l.ratio.toFixed(2)}x`,
 		l.verdict,
+		l.cpu === null ? "" : l.cpu.toFixed(2),
 		l.note,
 	]);
 	for (const set of sets) {
@@ -1188,10 +1104,10 @@ function table(lines: Line[], sets: PairSet[]): string {
 				ms(p.pairUs.p50),
 				ms(p.pairUs.p95),
 				ms(p.pairUs.p99),
-				ms(p.pairUs.max),
 				String(p.errors),
 				ratio,
 				pass ? "PASS" : "FAIL",
+				"",
 				notes.join("; "),
 			]);
 		}
@@ -1225,9 +1141,6 @@ function gitCommit(rev?: string): string | null {
 
 // ---------------------------------------------------------------- main
 
-/** Other load above this many cores makes a run suspect. */
-const NOISY_CORES = 0.25;
-
 function logRun(r: RouteRun): void {
 	process.stderr.write(
 		`${r.targetRate}/s ${r.route}: achieved ${r.achievedRate.toFixed(0)}, ` +
@@ -1253,6 +1166,50 @@ function stallText(r: RouteRun): string {
 		.slice(0, 3)
 		.map((s) => `${Math.round(s.peakMs)} ms at ${s.atS.toFixed(1)} s`);
 	return `; ${stalls.length} stalls of 100+ ms (worst ${worst.join(", ")})`;
+}
+
+/**
+ * One round of a rate: every route once, in `order`. On a shared machine
+ * another process can take a core mid-run: the round is run again (every
+ * route, so they still share conditions) when any run saw other load or a
+ * Worker restart, and the attempt with the least interference is kept. The
+ * others go to `discarded`, in the results too: nothing measured is hidden.
+ */
+async function runRound(
+	rate: number,
+	round: number,
+	order: Route[],
+	discarded: RouteRun[],
+): Promise<RouteRun[]> {
+	let best: RouteRun[] | null = null;
+	let bestNoise = Infinity;
+	for (let attempt = 1; attempt <= 1 + opts.retries; attempt++) {
+		const group: RouteRun[] = [];
+		for (const route of order) {
+			const r = await runRoute(target, task, paths, route, rate);
+			r.round = round;
+			r.attempt = attempt;
+			group.push(r);
+			logRun(r);
+		}
+		const noise = Math.max(
+			...group.map((r) => (r.restarted ? 99 : (r.otherCores ?? 0))),
+		);
+		if (noise < bestNoise) {
+			if (best !== null) discarded.push(...best);
+			best = group;
+			bestNoise = noise;
+		} else {
+			discarded.push(...group);
+		}
+		if (noise <= NOISY_CORES) break;
+		if (attempt <= opts.retries) {
+			process.stderr.write(
+				`${rate}/s round ${round}: other load ${noise} cores; running it again\n`,
+			);
+		}
+	}
+	return best!;
 }
 
 const runId = Date.now().toString(36);
@@ -1292,38 +1249,13 @@ try {
 	/** Attempts not kept, in the results too: nothing measured is hidden. */
 	const discarded: RouteRun[] = [];
 	for (const rate of opts.rates) {
-		// On a shared machine another process can take a core mid-run. The
-		// rate is re-run (every route, so they still share conditions) when
-		// any run saw other load or a Worker restart, and the attempt with
-		// the least interference is kept; the attempts are in the results.
-		let best: RouteRun[] | null = null;
-		let bestNoise = Infinity;
-		for (let attempt = 1; attempt <= 1 + opts.retries; attempt++) {
-			const group: RouteRun[] = [];
-			for (const route of routes) {
-				const r = await runRoute(target, task, paths, route, rate);
-				r.attempt = attempt;
-				group.push(r);
-				logRun(r);
-			}
-			const noise = Math.max(
-				...group.map((r) => (r.restarted ? 99 : (r.otherCores ?? 0))),
-			);
-			if (noise < bestNoise) {
-				if (best !== null) discarded.push(...best);
-				best = group;
-				bestNoise = noise;
-			} else {
-				discarded.push(...group);
-			}
-			if (noise <= NOISY_CORES) break;
-			if (attempt <= opts.retries) {
-				process.stderr.write(
-					`${rate}/s: other load ${noise} cores; running the rate again\n`,
-				);
-			}
+		for (let round = 1; round <= opts.rounds; round++) {
+			// Each round starts with another route, so no route always runs
+			// first (or right after a rate change).
+			const k = (round - 1) % routes.length;
+			const order = [...routes.slice(k), ...routes.slice(0, k)];
+			runs.push(...(await runRound(rate, round, order, discarded)));
 		}
-		runs.push(...best!);
 	}
 	// Paced (an idle server between pairs), then back to back (a busy one).
 	const sets: PairSet[] = [];
