@@ -427,7 +427,7 @@ export class TrellisClient {
 
 	/** `GET /v1/tasks/:task/snapshots/:state`: the snapshot blob of a state. */
 	async getSnapshot(task: string, state: string): Promise<Uint8Array> {
-		const res = await this.#request({
+		const { res } = await this.#request({
 			method: "GET",
 			path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
 			retry: "idempotent",
@@ -439,8 +439,7 @@ export class TrellisClient {
 	// ----------------------------------------------------------- plumbing
 
 	async #json<T>(spec: RequestSpec): Promise<T> {
-		const res = await this.#request(spec);
-		const text = await res.text();
+		const { res, text } = await this.#request(spec, true);
 		try {
 			return JSON.parse(text) as T;
 		} catch (cause) {
@@ -453,11 +452,17 @@ export class TrellisClient {
 		}
 	}
 
-	/** One call with its retries; resolves only to a 2xx response. */
-	async #request(spec: RequestSpec): Promise<Response> {
+	/**
+	 * One call with its retries; resolves only to a 2xx response, and with
+	 * `read`, to its body's text too (read within the attempt's time limit).
+	 */
+	async #request(
+		spec: RequestSpec,
+		read = false,
+	): Promise<{ res: Response; text: string }> {
 		for (let attempt = 0; ; attempt++) {
 			try {
-				return await this.#attempt(spec);
+				return await this.#attempt(spec, read);
 			} catch (err) {
 				if (!(err instanceof TrellisError)) throw err;
 				const again =
@@ -481,7 +486,10 @@ export class TrellisClient {
 		return Math.random() * ceiling;
 	}
 
-	async #attempt(spec: RequestSpec): Promise<Response> {
+	async #attempt(
+		spec: RequestSpec,
+		read: boolean,
+	): Promise<{ res: Response; text: string }> {
 		const url = new URL(this.url + spec.path);
 		for (const [k, v] of Object.entries(spec.query ?? {}))
 			if (v !== undefined) url.searchParams.set(k, String(v));
@@ -495,31 +503,61 @@ export class TrellisClient {
 			headers["content-type"] = "application/octet-stream";
 			body = spec.body as RequestInit["body"];
 		}
-		const signal =
+		const limitMs =
 			spec.timeout !== false && this.#timeoutMs > 0
-				? AbortSignal.timeout(this.#timeoutMs)
+				? this.#timeoutMs
 				: undefined;
-		let res: Response;
 		try {
-			res = await this.#fetch(url, {
-				method: spec.method,
-				headers,
-				body,
-				signal,
+			return await withDeadline(limitMs, async (signal) => {
+				const res = await this.#fetch(url, {
+					method: spec.method,
+					headers,
+					body,
+					signal,
+				});
+				if (!res.ok) throw await errorFrom(res, spec);
+				return { res, text: read ? await res.text() : "" };
 			});
 		} catch (cause) {
+			if (cause instanceof TrellisError) throw cause;
 			const timedOut = cause instanceof Error && cause.name === "TimeoutError";
 			throw new TrellisError({
 				status: 0,
 				code: timedOut ? "timeout" : "network_error",
 				message: `${spec.method} ${url.pathname}: ${
-					timedOut ? "timed out" : describe(cause)
+					timedOut ? `no answer within ${limitMs} ms` : describe(cause)
 				}`,
 				cause,
 			});
 		}
-		if (res.ok) return res;
-		throw await errorFrom(res, spec);
+	}
+}
+
+/**
+ * `work` with a signal that aborts after `ms` (none when undefined), and
+ * settled by then whether or not `work` heeds the abort: Node 20's own
+ * `fetch` can fail to settle when the abort comes while it is still sending
+ * a large body (docs/benchmarks-soak.md), and a timed-out call must not wait
+ * for it forever. Whatever `work` does later is ignored.
+ */
+async function withDeadline<T>(
+	ms: number | undefined,
+	work: (signal: AbortSignal | undefined) => Promise<T>,
+): Promise<T> {
+	if (ms === undefined) return work(undefined);
+	const controller = new AbortController();
+	let timer: ReturnType<typeof setTimeout> | undefined;
+	const expired = new Promise<never>((_, reject) => {
+		timer = setTimeout(() => {
+			const reason = new DOMException(`over ${ms} ms`, "TimeoutError");
+			controller.abort(reason);
+			reject(reason);
+		}, ms);
+	});
+	try {
+		return await Promise.race([work(controller.signal), expired]);
+	} finally {
+		clearTimeout(timer);
 	}
 }
 

@@ -427,3 +427,53 @@ describe("retries", () => {
 		expect(f.count()).toBe(3);
 	});
 });
+
+describe("time limits", () => {
+	it("a call whose fetch never settles, even once aborted, ends as a retryable timeout", async () => {
+		// Node 20's own fetch can do this when the abort comes while it is
+		// still sending a large body (docs/benchmarks-soak.md).
+		let sent = 0;
+		const c = new TrellisClient({
+			url: "http://127.0.0.1:9",
+			key: "k",
+			timeoutMs: 50,
+			retries: 1,
+			backoffMs: 1,
+			fetch: () => {
+				sent++;
+				return new Promise<Response>(() => {});
+			},
+		});
+		const err = await failure(() =>
+			c.record("t", { from: ROOT_ID, calls: [run(M("x"), "out")] }),
+		);
+		expect([err.status, err.code, err.retryable]).toEqual([0, "timeout", true]);
+		expect(err.message).toContain("no answer within 50 ms");
+		expect(sent).toBe(2);
+	});
+
+	it("a response whose body stops coming is a timeout too", async () => {
+		const server = createServer((req, res) => {
+			req.resume();
+			res.writeHead(200, { "content-type": "application/json" });
+			res.write('{"task":'); // and nothing more
+		});
+		await new Promise<void>((resolve) =>
+			server.listen(0, "127.0.0.1", resolve),
+		);
+		const { port } = server.address() as AddressInfo;
+		const c = new TrellisClient({
+			url: `http://127.0.0.1:${port}`,
+			key: "k",
+			timeoutMs: 200,
+			retries: 0,
+		});
+		try {
+			const err = await failure(() => c.stats("t"));
+			expect([err.status, err.code]).toEqual([0, "timeout"]);
+		} finally {
+			server.closeAllConnections();
+			await new Promise((resolve) => server.close(resolve));
+		}
+	});
+});
