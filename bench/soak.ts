@@ -665,7 +665,7 @@ async function op<T>(
 				let key: string;
 				// The abort fired during this attempt: whatever came back was
 				// cut by it, even an error whose body it cut (the client then
-				// reports `http_409` for a `stale_cursor` it could not read).
+				// reports a `network_error`: the answer's code is unknown).
 				if (injected(err) || attemptCtx?.abortFiredAfterMs != null) {
 					faults.abortsCut++;
 					key = "aborted by the soak";
@@ -686,9 +686,9 @@ async function op<T>(
 								: err.code
 							: `${err.status} ${err.code}`;
 				} else {
-					// A failure outside the client's own handling (a body cut off
-					// while it is read: undici's "terminated"): as retryable as a
-					// network error.
+					// A failure outside the client's own handling (the client
+					// wraps a body cut off while it is read, so this is not
+					// expected): as retryable as a network error.
 					const name = err instanceof Error ? err.name : typeof err;
 					key =
 						restarting || epoch !== seen

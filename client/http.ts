@@ -567,12 +567,28 @@ function describe(err: unknown): string {
 	return `${err.message}${cause}`;
 }
 
-/** The typed error of a non-2xx response, from its JSON body when it has one. */
+/**
+ * The typed error of a non-2xx response, from its JSON body when it has one.
+ * A body cut off on the way is a lost answer (a retryable `network_error`):
+ * its code is unknown, and the same call again gets it whole.
+ */
 async function errorFrom(
 	res: Response,
 	spec: RequestSpec,
 ): Promise<TrellisError> {
-	const text = await res.text().catch(() => "");
+	let text: string;
+	try {
+		text = await res.text();
+	} catch (cause) {
+		// The attempt's time limit reads as a timeout (see #attempt).
+		if (cause instanceof Error && cause.name === "TimeoutError") throw cause;
+		return new TrellisError({
+			status: 0,
+			code: "network_error",
+			message: `${spec.method} ${spec.path}: the ${res.status} answer was cut off: ${describe(cause)}`,
+			cause,
+		});
+	}
 	let code = `http_${res.status}`;
 	let message = text.slice(0, 500) || res.statusText;
 	let details: unknown;

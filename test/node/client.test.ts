@@ -428,6 +428,54 @@ describe("retries", () => {
 	});
 });
 
+describe("cut-off answers", () => {
+	it("an error answer cut off mid-body is a retryable network_error, and the retry gets its code", async () => {
+		const staleBody = JSON.stringify({
+			error: { code: "stale_cursor", message: "that state is gone" },
+		});
+		let n = 0;
+		const server = createServer((req, res) => {
+			req.resume();
+			res.writeHead(409, {
+				"content-type": "application/json",
+				"content-length": String(staleBody.length),
+			});
+			// The first answer stops halfway and its connection is dropped.
+			if (n++ === 0) {
+				res.write(staleBody.slice(0, 20));
+				setTimeout(() => res.destroy(), 20);
+			} else res.end(staleBody);
+		});
+		await new Promise<void>((resolve) =>
+			server.listen(0, "127.0.0.1", resolve),
+		);
+		const { port } = server.address() as AddressInfo;
+		const url = `http://127.0.0.1:${port}`;
+		try {
+			const once = new TrellisClient({ url, key: "k", retries: 0 });
+			const cut = await failure(() =>
+				once.lookup("t", { cursor: ROOT_ID, call: M("x") }),
+			);
+			expect([cut.status, cut.code, cut.retryable]).toEqual([
+				0,
+				"network_error",
+				true,
+			]);
+			expect(cut.message).toContain("the 409 answer was cut off");
+			n = 0;
+			const again = new TrellisClient({ url, key: "k", backoffMs: 1 });
+			const whole = await failure(() =>
+				again.lookup("t", { cursor: ROOT_ID, call: M("x") }),
+			);
+			expect([whole.status, whole.code]).toEqual([409, "stale_cursor"]);
+			expect(n).toBe(2);
+		} finally {
+			server.closeAllConnections();
+			await new Promise((resolve) => server.close(resolve));
+		}
+	});
+});
+
 describe("time limits", () => {
 	it("a call whose fetch never settles, even once aborted, ends as a retryable timeout", async () => {
 		// Node 20's own fetch can do this when the abort comes while it is
