@@ -162,7 +162,10 @@ export function judge(runs: JudgedRun[]): Line[] {
 				notes.push(`floor not sustained (${floor.why})`);
 		} else if (!floor.sustained) {
 			notes.push("ratio not judged: floor not sustained");
-		} else if (ratio !== null && ratio.median > TARGET.hitOverFloor) {
+		} else if (ratio === null) {
+			pass = false;
+			notes.push("no floor run of the same round to compare with");
+		} else if (ratio.median > TARGET.hitOverFloor) {
 			pass = false;
 			notes.push(`p50 over ${TARGET.hitOverFloor}x floor`);
 		}

@@ -145,7 +145,13 @@ const opts = {
 	/** A/B against this commit (see the top of this file). */
 	base: flags.base,
 	/** Runs of every route at each rate (see bench/judge.ts). */
-	rounds: Math.max(1, Math.floor(num(flags.rounds, quick ? 1 : 3, "rounds"))),
+	// A quick A/B still runs both orders of the two stacks.
+	rounds: Math.max(
+		1,
+		Math.floor(
+			num(flags.rounds, quick && flags.base === undefined ? 1 : 3, "rounds"),
+		),
+	),
 	/** Re-runs of a round whose runs saw other load on the machine. */
 	retries:
 		flags.retries === undefined
@@ -1251,7 +1257,7 @@ try {
 	for (const rate of opts.rates) {
 		for (let round = 1; round <= opts.rounds; round++) {
 			// Each round starts with another route, so no route always runs
-			// first (or right after a rate change).
+			// first in its round (the first round of a rate, with the floor).
 			const k = (round - 1) % routes.length;
 			const order = [...routes.slice(k), ...routes.slice(0, k)];
 			runs.push(...(await runRound(rate, round, order, discarded)));

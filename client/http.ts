@@ -107,6 +107,17 @@ export class TrellisError extends Error {
  */
 type RetryPolicy = "idempotent" | "rate-limit-only";
 
+/** How much of a 2xx answer's body an attempt reads. */
+type Read = "none" | "text" | "bytes";
+
+/** A 2xx answer, and its body as the attempt read it ("" or no bytes if not). */
+interface Answer {
+	res: Response;
+	text: string;
+	bytes: Uint8Array;
+}
+const NONE = new Uint8Array(0);
+
 interface RequestSpec {
 	method: "GET" | "POST" | "PUT" | "DELETE";
 	path: string;
@@ -427,19 +438,22 @@ export class TrellisClient {
 
 	/** `GET /v1/tasks/:task/snapshots/:state`: the snapshot blob of a state. */
 	async getSnapshot(task: string, state: string): Promise<Uint8Array> {
-		const { res } = await this.#request({
-			method: "GET",
-			path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
-			retry: "idempotent",
-			timeout: false,
-		});
-		return new Uint8Array(await res.arrayBuffer());
+		const { bytes } = await this.#request(
+			{
+				method: "GET",
+				path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
+				retry: "idempotent",
+				timeout: false,
+			},
+			"bytes",
+		);
+		return bytes;
 	}
 
 	// ----------------------------------------------------------- plumbing
 
 	async #json<T>(spec: RequestSpec): Promise<T> {
-		const { res, text } = await this.#request(spec, true);
+		const { res, text } = await this.#request(spec, "text");
 		try {
 			return JSON.parse(text) as T;
 		} catch (cause) {
@@ -453,13 +467,12 @@ export class TrellisClient {
 	}
 
 	/**
-	 * One call with its retries; resolves only to a 2xx response, and with
-	 * `read`, to its body's text too (read within the attempt's time limit).
+	 * One call with its retries; resolves only to a 2xx response, with its
+	 * body read as `read` says within the attempt, so that a body cut off
+	 * on the way is retried like any lost answer (and, for a call with a
+	 * time limit, read within it).
 	 */
-	async #request(
-		spec: RequestSpec,
-		read = false,
-	): Promise<{ res: Response; text: string }> {
+	async #request(spec: RequestSpec, read: Read = "none"): Promise<Answer> {
 		for (let attempt = 0; ; attempt++) {
 			try {
 				return await this.#attempt(spec, read);
@@ -486,10 +499,7 @@ export class TrellisClient {
 		return Math.random() * ceiling;
 	}
 
-	async #attempt(
-		spec: RequestSpec,
-		read: boolean,
-	): Promise<{ res: Response; text: string }> {
+	async #attempt(spec: RequestSpec, read: Read): Promise<Answer> {
 		const url = new URL(this.url + spec.path);
 		for (const [k, v] of Object.entries(spec.query ?? {}))
 			if (v !== undefined) url.searchParams.set(k, String(v));
@@ -516,7 +526,12 @@ export class TrellisClient {
 					signal,
 				});
 				if (!res.ok) throw await errorFrom(res, spec);
-				return { res, text: read ? await res.text() : "" };
+				return {
+					res,
+					text: read === "text" ? await res.text() : "",
+					bytes:
+						read === "bytes" ? new Uint8Array(await res.arrayBuffer()) : NONE,
+				};
 			});
 		} catch (cause) {
 			if (cause instanceof TrellisError) throw cause;
@@ -570,7 +585,8 @@ function describe(err: unknown): string {
 /**
  * The typed error of a non-2xx response, from its JSON body when it has one.
  * A body cut off on the way is a lost answer (a retryable `network_error`):
- * its code is unknown, and the same call again gets it whole.
+ * its code is unknown, and the same call again gets it whole. A 429's stays
+ * a 429: the call was refused, whatever the body said.
  */
 async function errorFrom(
 	res: Response,
@@ -582,10 +598,13 @@ async function errorFrom(
 	} catch (cause) {
 		// The attempt's time limit reads as a timeout (see #attempt).
 		if (cause instanceof Error && cause.name === "TimeoutError") throw cause;
+		// A 429 refused the call whatever its body said: still a 429.
+		const refused = res.status === 429;
 		return new TrellisError({
-			status: 0,
-			code: "network_error",
+			status: refused ? 429 : 0,
+			code: refused ? "http_429" : "network_error",
 			message: `${spec.method} ${spec.path}: the ${res.status} answer was cut off: ${describe(cause)}`,
+			retryAfterMs: parseRetryAfter(res.headers.get("retry-after")),
 			cause,
 		});
 	}

@@ -10,7 +10,7 @@ import {
 	type ServerResponse,
 } from "node:http";
 import type { AddressInfo } from "node:net";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { startLocalStack, type LocalStack } from "../../bin/local-stack.ts";
 import {
 	ROOT_ID,
@@ -429,49 +429,122 @@ describe("retries", () => {
 });
 
 describe("cut-off answers", () => {
-	it("an error answer cut off mid-body is a retryable network_error, and the retry gets its code", async () => {
-		const staleBody = JSON.stringify({
-			error: { code: "stale_cursor", message: "that state is gone" },
-		});
+	/**
+	 * A server that sends `answers` in turn (then the last one again); an
+	 * answer with `cut` stops halfway through its body and drops the
+	 * connection.
+	 */
+	async function answering(
+		answers: {
+			status: number;
+			headers?: Record<string, string>;
+			body: string;
+			cut?: boolean;
+		}[],
+	): Promise<{ url: string; hits: () => number; close: () => Promise<void> }> {
 		let n = 0;
 		const server = createServer((req, res) => {
+			const a = answers[Math.min(n++, answers.length - 1)];
 			req.resume();
-			res.writeHead(409, {
+			res.writeHead(a.status, {
 				"content-type": "application/json",
-				"content-length": String(staleBody.length),
+				"content-length": String(Buffer.byteLength(a.body)),
+				...a.headers,
 			});
-			// The first answer stops halfway and its connection is dropped.
-			if (n++ === 0) {
-				res.write(staleBody.slice(0, 20));
+			if (a.cut) {
+				res.write(a.body.slice(0, a.body.length >> 1));
 				setTimeout(() => res.destroy(), 20);
-			} else res.end(staleBody);
+			} else res.end(a.body);
 		});
 		await new Promise<void>((resolve) =>
 			server.listen(0, "127.0.0.1", resolve),
 		);
 		const { port } = server.address() as AddressInfo;
-		const url = `http://127.0.0.1:${port}`;
+		return {
+			url: `http://127.0.0.1:${port}`,
+			hits: () => n,
+			close: async () => {
+				server.closeAllConnections();
+				await new Promise((resolve) => server.close(resolve));
+			},
+		};
+	}
+
+	const stale = {
+		status: 409,
+		body: JSON.stringify({
+			error: { code: "stale_cursor", message: "that state is gone" },
+		}),
+	};
+
+	it("an error answer cut off mid-body is a retryable network_error", async () => {
+		const s = await answering([{ ...stale, cut: true }]);
 		try {
-			const once = new TrellisClient({ url, key: "k", retries: 0 });
-			const cut = await failure(() =>
-				once.lookup("t", { cursor: ROOT_ID, call: M("x") }),
+			const c = new TrellisClient({ url: s.url, key: "k", retries: 0 });
+			const err = await failure(() =>
+				c.lookup("t", { cursor: ROOT_ID, call: M("x") }),
 			);
-			expect([cut.status, cut.code, cut.retryable]).toEqual([
+			expect([err.status, err.code, err.retryable]).toEqual([
 				0,
 				"network_error",
 				true,
 			]);
-			expect(cut.message).toContain("the 409 answer was cut off");
-			n = 0;
-			const again = new TrellisClient({ url, key: "k", backoffMs: 1 });
-			const whole = await failure(() =>
-				again.lookup("t", { cursor: ROOT_ID, call: M("x") }),
-			);
-			expect([whole.status, whole.code]).toEqual([409, "stale_cursor"]);
-			expect(n).toBe(2);
+			expect(err.message).toContain("the 409 answer was cut off");
 		} finally {
-			server.closeAllConnections();
-			await new Promise((resolve) => server.close(resolve));
+			await s.close();
+		}
+	});
+
+	it("an idempotent call retries it, and gets the answer's code", async () => {
+		const s = await answering([{ ...stale, cut: true }, stale]);
+		try {
+			const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1 });
+			const err = await failure(() =>
+				c.lookup("t", { cursor: ROOT_ID, call: M("x") }),
+			);
+			expect([err.status, err.code]).toEqual([409, "stale_cursor"]);
+			expect(s.hits()).toBe(2);
+		} finally {
+			await s.close();
+		}
+	});
+
+	it("a 429 cut off mid-body is still a 429, retried for any call", async () => {
+		const lease = { id: "l1", state: ROOT_ID, expiresAt: 1 };
+		const s = await answering([
+			{
+				status: 429,
+				headers: { "retry-after": "0" },
+				body: JSON.stringify({
+					error: { code: "rate_limited", message: "slow down" },
+				}),
+				cut: true,
+			},
+			{ status: 201, body: JSON.stringify(lease) },
+		]);
+		try {
+			// A lease is not idempotent: only a 429 may be repeated.
+			const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1 });
+			expect(await c.createLease("t", { state: ROOT_ID })).toEqual(lease);
+			expect(s.hits()).toBe(2);
+		} finally {
+			await s.close();
+		}
+	});
+
+	it("a snapshot download cut off mid-body is retried", async () => {
+		const blob = "x".repeat(64 << 10);
+		const s = await answering([
+			{ status: 200, body: blob, cut: true },
+			{ status: 200, body: blob },
+		]);
+		try {
+			const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1 });
+			const bytes = await c.getSnapshot("t", ROOT_ID);
+			expect(bytes.length).toBe(blob.length);
+			expect(s.hits()).toBe(2);
+		} finally {
+			await s.close();
 		}
 	});
 });
@@ -498,6 +571,39 @@ describe("time limits", () => {
 		expect([err.status, err.code, err.retryable]).toEqual([0, "timeout", true]);
 		expect(err.message).toContain("no answer within 50 ms");
 		expect(sent).toBe(2);
+	});
+
+	it("leaves no timer behind once a call is answered", async () => {
+		vi.useFakeTimers();
+		try {
+			const c = new TrellisClient({
+				url: "http://127.0.0.1:9",
+				key: "k",
+				fetch: async () => Response.json({ task: "t", lookups: 0 }),
+			});
+			await c.stats("t");
+			expect(vi.getTimerCount()).toBe(0);
+		} finally {
+			vi.useRealTimers();
+		}
+	});
+
+	it("puts no time limit on snapshot transfers", async () => {
+		const ref = { driver: "d", key: "k1", bytes: 1 };
+		const c = new TrellisClient({
+			url: "http://127.0.0.1:9",
+			key: "k",
+			timeoutMs: 10,
+			retries: 0,
+			fetch: async (_input, init) => {
+				expect(init?.signal).toBeUndefined();
+				await new Promise((resolve) => setTimeout(resolve, 100));
+				return Response.json(ref, { status: 201 });
+			},
+		});
+		expect(await c.putSnapshot("t", ROOT_ID, new Uint8Array([1]), "d")).toEqual(
+			ref,
+		);
 	});
 
 	it("a response whose body stops coming is a timeout too", async () => {

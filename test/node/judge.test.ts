@@ -83,16 +83,29 @@ describe("judge", () => {
 	});
 
 	it("adds up every round's errors and fails the line on any", () => {
-		const lines = judge([
-			run("floor", 1024, 1, { round: 1 }),
-			run("hit (id)", 1024, 1, { round: 1 }),
-			run("floor", 1024, 1, { round: 2 }),
-			run("hit (id)", 1024, 1, { round: 2, errors: 3 }),
-		]);
+		const errors = [2, 0, 3];
+		const lines = judge(
+			[1, 2, 3].flatMap((round) => [
+				run("floor", 1024, 1, { round }),
+				run("hit (id)", 1024, 1, { round, errors: errors[round - 1] }),
+			]),
+		);
 		expect(line(lines, 1024, "hit (id)")).toMatchObject({
-			errors: 3,
+			errors: 5,
 			verdict: "FAIL",
 		});
+		expect(line(lines, 1024, "floor").verdict).toBe("PASS");
+	});
+
+	it("fails a hit with no floor run of its round to compare with", () => {
+		const lines = judge([
+			run("floor", 256, 1, { round: 2 }),
+			run("hit (id)", 256, 1, { round: 1 }),
+		]);
+		const l = line(lines, 256, "hit (id)");
+		expect(l.ratio).toBeNull();
+		expect(l.verdict).toBe("FAIL");
+		expect(l.note).toContain("no floor run of the same round");
 	});
 
 	it("does not judge hits where the floor answers under 95% of the rate", () => {
@@ -107,6 +120,36 @@ describe("judge", () => {
 		const hit = line(lines, 4096, "hit (id)");
 		expect(hit.verdict).toBe("PASS");
 		expect(hit.note).toContain("ratio not judged: floor not sustained");
+	});
+
+	it("judges the floor's share and p50 by their medians over the rounds", () => {
+		const rounds = [1, 2, 3];
+		const lines = judge([
+			// The lowest rate's p50 is 1 ms, but for one slow first round.
+			...rounds.map((round) =>
+				run("floor", 256, [30, 1, 1][round - 1], { round }),
+			),
+			// 6 ms is 6x that: queueing, though 0.2x the slow round.
+			...rounds.map((round) => run("floor", 1024, 6, { round })),
+			...rounds.map((round) => run("hit (id)", 1024, 6, { round })),
+			// One round of three answered 90%: the median share is 100%.
+			...rounds.map((round) =>
+				run("floor", 2048, 1.5, {
+					round,
+					achievedRate: round === 2 ? 1843 : 2048,
+				}),
+			),
+			...rounds.map((round) => run("hit (id)", 2048, 3, { round })),
+		]);
+		expect(line(lines, 1024, "floor").note).toContain(
+			"floor not sustained (queueing: p50 6x its 256/s p50)",
+		);
+		expect(line(lines, 1024, "hit (id)").note).toContain("ratio not judged");
+		expect(line(lines, 2048, "floor").note).not.toContain("not sustained");
+		expect(line(lines, 2048, "hit (id)")).toMatchObject({
+			ratio: 2,
+			verdict: "FAIL",
+		});
 	});
 
 	it("does not judge hits where the floor queues, though it answered 95%", () => {
@@ -158,7 +201,7 @@ describe("judge", () => {
 
 	it("keeps the Worker's CPU per request, median over rounds", () => {
 		const lines = judge(
-			[0.3, 0.5, 0.4].flatMap((cpu, i) => [
+			[0.3, 0.4, 0.9].flatMap((cpu, i) => [
 				run("floor", 256, 1, { round: i + 1 }),
 				run("hit (id)", 256, 1, {
 					round: i + 1,
