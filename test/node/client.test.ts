@@ -318,35 +318,47 @@ describe("routes", () => {
 	});
 });
 
-describe("retries", () => {
-	/** A real HTTP server that answers with the next canned response. */
-	async function scripted(
-		responses: {
-			status: number;
-			headers?: Record<string, string>;
-			body: unknown;
-		}[],
-	): Promise<{ url: string; hits: () => number; close: () => Promise<void> }> {
-		let n = 0;
-		const server = createServer((req: IncomingMessage, res: ServerResponse) => {
-			const r = responses[Math.min(n++, responses.length - 1)];
-			req.resume();
-			res.writeHead(r.status, {
-				"content-type": "application/json",
-				...r.headers,
-			});
-			res.end(JSON.stringify(r.body));
+/**
+ * A real HTTP server that answers with the next canned response (then the
+ * last one again): a string body as it is, any other as JSON. A response
+ * with `cut` stops halfway through its body and drops the connection.
+ */
+async function scripted(
+	responses: {
+		status: number;
+		headers?: Record<string, string>;
+		body: unknown;
+		cut?: boolean;
+	}[],
+): Promise<{ url: string; hits: () => number; close: () => Promise<void> }> {
+	let n = 0;
+	const server = createServer((req: IncomingMessage, res: ServerResponse) => {
+		const r = responses[Math.min(n++, responses.length - 1)];
+		const body = typeof r.body === "string" ? r.body : JSON.stringify(r.body);
+		req.resume();
+		res.writeHead(r.status, {
+			"content-type": "application/json",
+			"content-length": String(Buffer.byteLength(body)),
+			...r.headers,
 		});
-		await new Promise<void>((resolve) =>
-			server.listen(0, "127.0.0.1", resolve),
-		);
-		const { port } = server.address() as AddressInfo;
-		return {
-			url: `http://127.0.0.1:${port}`,
-			hits: () => n,
-			close: () => new Promise((resolve) => server.close(() => resolve())),
-		};
-	}
+		if (r.cut) {
+			res.write(body.slice(0, body.length >> 1));
+			setTimeout(() => res.destroy(), 20);
+		} else res.end(body);
+	});
+	await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+	const { port } = server.address() as AddressInfo;
+	return {
+		url: `http://127.0.0.1:${port}`,
+		hits: () => n,
+		close: async () => {
+			server.closeAllConnections();
+			await new Promise((resolve) => server.close(resolve));
+		},
+	};
+}
+
+describe("retries", () => {
 	const unavailable = {
 		status: 503,
 		body: { error: { code: "unavailable", message: "busy" } },
@@ -429,47 +441,6 @@ describe("retries", () => {
 });
 
 describe("cut-off answers", () => {
-	/**
-	 * A server that sends `answers` in turn (then the last one again); an
-	 * answer with `cut` stops halfway through its body and drops the
-	 * connection.
-	 */
-	async function answering(
-		answers: {
-			status: number;
-			headers?: Record<string, string>;
-			body: string;
-			cut?: boolean;
-		}[],
-	): Promise<{ url: string; hits: () => number; close: () => Promise<void> }> {
-		let n = 0;
-		const server = createServer((req, res) => {
-			const a = answers[Math.min(n++, answers.length - 1)];
-			req.resume();
-			res.writeHead(a.status, {
-				"content-type": "application/json",
-				"content-length": String(Buffer.byteLength(a.body)),
-				...a.headers,
-			});
-			if (a.cut) {
-				res.write(a.body.slice(0, a.body.length >> 1));
-				setTimeout(() => res.destroy(), 20);
-			} else res.end(a.body);
-		});
-		await new Promise<void>((resolve) =>
-			server.listen(0, "127.0.0.1", resolve),
-		);
-		const { port } = server.address() as AddressInfo;
-		return {
-			url: `http://127.0.0.1:${port}`,
-			hits: () => n,
-			close: async () => {
-				server.closeAllConnections();
-				await new Promise((resolve) => server.close(resolve));
-			},
-		};
-	}
-
 	const stale = {
 		status: 409,
 		body: JSON.stringify({
@@ -478,7 +449,7 @@ describe("cut-off answers", () => {
 	};
 
 	it("an error answer cut off mid-body is a retryable network_error", async () => {
-		const s = await answering([{ ...stale, cut: true }]);
+		const s = await scripted([{ ...stale, cut: true }]);
 		try {
 			const c = new TrellisClient({ url: s.url, key: "k", retries: 0 });
 			const err = await failure(() =>
@@ -496,7 +467,7 @@ describe("cut-off answers", () => {
 	});
 
 	it("an idempotent call retries it, and gets the answer's code", async () => {
-		const s = await answering([{ ...stale, cut: true }, stale]);
+		const s = await scripted([{ ...stale, cut: true }, stale]);
 		try {
 			const c = new TrellisClient({ url: s.url, key: "k", backoffMs: 1 });
 			const err = await failure(() =>
@@ -511,7 +482,7 @@ describe("cut-off answers", () => {
 
 	it("a 429 cut off mid-body is still a 429, retried for any call", async () => {
 		const lease = { id: "l1", state: ROOT_ID, expiresAt: 1 };
-		const s = await answering([
+		const s = await scripted([
 			{
 				status: 429,
 				headers: { "retry-after": "0" },
@@ -534,7 +505,7 @@ describe("cut-off answers", () => {
 
 	it("a snapshot download cut off mid-body is retried", async () => {
 		const blob = "x".repeat(64 << 10);
-		const s = await answering([
+		const s = await scripted([
 			{ status: 200, body: blob, cut: true },
 			{ status: 200, body: blob },
 		]);
