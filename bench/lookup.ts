@@ -348,8 +348,9 @@ function groupCpuMs(pgid: number | null): {
  * forwards every request, at a CPU cost comparable to the Worker's own on
  * this machine; production has no such hop). wrangler does not print it, so
  * it is found from /proc: the listening sockets of that process, probed with
- * `GET /healthz` (only the entry socket answers "ok"). Linux only, and a
- * diagnostic: the advertised URL stays the default.
+ * `GET /healthz` (only the entry socket answers "ok": miniflare's entry
+ * worker, which passes each request on to the Worker in the same process).
+ * Linux only, and a diagnostic: the advertised URL stays the default.
  */
 async function directUrl(pgid: number): Promise<string> {
 	const inodes = new Set<string>();
