@@ -78,7 +78,7 @@ export interface Line {
 }
 
 /** The middle value; of an even number, the mean of the two middle ones. */
-function median(xs: number[]): number {
+export function median(xs: number[]): number {
 	const s = [...xs].sort((a, b) => a - b);
 	const m = s.length >> 1;
 	return s.length === 0 ? NaN : s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
@@ -102,10 +102,8 @@ function ratios(
 	return each.length > 0 ? { median: median(each), each } : null;
 }
 
-/** Whether the floor sustains each rate, and if not, why. */
-function floorVerdicts(
-	runs: JudgedRun[],
-): Map<number, { sustained: boolean; why: string | null }> {
+/** Why the floor does not sustain each rate: null where it does. */
+function notSustained(runs: JudgedRun[]): Map<number, string | null> {
 	const floors = runs.filter((r) => r.route === "floor");
 	const rates = [...new Set(floors.map((r) => r.targetRate))].sort(
 		(a, b) => a - b,
@@ -114,7 +112,7 @@ function floorVerdicts(
 		median(
 			floors.filter((r) => r.targetRate === rate).map((r) => r.latencyUs.p50),
 		);
-	const out = new Map<number, { sustained: boolean; why: string | null }>();
+	const out = new Map<number, string | null>();
 	if (rates.length === 0) return out;
 	const lowest = rates[0];
 	for (const rate of rates) {
@@ -127,14 +125,14 @@ function floorVerdicts(
 		} else if (growth > TARGET.queueing) {
 			why = `queueing: p50 ${growth.toFixed(0)}x its ${lowest}/s p50`;
 		}
-		out.set(rate, { sustained: why === null, why });
+		out.set(rate, why);
 	}
 	return out;
 }
 
 /** The lines of the table: one per route and rate, in the runs' order. */
 export function judge(runs: JudgedRun[]): Line[] {
-	const floorAt = floorVerdicts(runs);
+	const whyNot = notSustained(runs);
 	const keys: { rate: number; route: string }[] = [];
 	for (const r of runs) {
 		if (!keys.some((k) => k.rate === r.targetRate && k.route === r.route))
@@ -144,10 +142,8 @@ export function judge(runs: JudgedRun[]): Line[] {
 		const at = (name: string) =>
 			runs.filter((r) => r.targetRate === rate && r.route === name);
 		const mine = at(route);
-		const floor = floorAt.get(rate) ?? {
-			sustained: false,
-			why: "no floor run",
-		};
+		// Why the floor does not sustain this rate, or null where it does.
+		const unsustained = whyNot.has(rate) ? whyNot.get(rate)! : "no floor run";
 		const ratio = isFloor(route) ? null : ratios(mine, at("floor"));
 		const graphRatio = isFloor(route) ? null : ratios(mine, at("graph floor"));
 
@@ -158,9 +154,9 @@ export function judge(runs: JudgedRun[]): Line[] {
 		if (restarted) notes.push("INVALID: the Worker restarted mid-run");
 		if (errors > 0) notes.push(`${errors} errors`);
 		if (isFloor(route)) {
-			if (route === "floor" && !floor.sustained)
-				notes.push(`floor not sustained (${floor.why})`);
-		} else if (!floor.sustained) {
+			if (route === "floor" && unsustained !== null)
+				notes.push(`floor not sustained (${unsustained})`);
+		} else if (unsustained !== null) {
 			notes.push("ratio not judged: floor not sustained");
 		} else if (ratio === null) {
 			pass = false;

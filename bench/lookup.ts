@@ -80,8 +80,14 @@ import {
 	type RequestSpec,
 } from "./loadgen.ts";
 import { chartOfResults } from "./chart.ts";
-import { isFloor, judge, NOISY_CORES, TARGET, type Line } from "./judge.ts";
-import { quantile } from "./workloads.ts";
+import {
+	isFloor,
+	judge,
+	median,
+	NOISY_CORES,
+	TARGET,
+	type Line,
+} from "./judge.ts";
 
 // ---------------------------------------------------------------- options
 
@@ -144,8 +150,7 @@ const opts = {
 	noEdgeCache: flags["no-edge-cache"],
 	/** A/B against this commit (see the top of this file). */
 	base: flags.base,
-	/** Runs of every route at each rate (see bench/judge.ts). */
-	// A quick A/B still runs both orders of the two stacks.
+	/** Runs of every route at each rate (see bench/judge.ts); a quick A/B still runs both orders. */
 	rounds: Math.max(
 		1,
 		Math.floor(
@@ -1395,8 +1400,6 @@ async function compare(base: string): Promise<number> {
 				}
 			}
 		}
-		// The middle round (of an even number, the lower of the two).
-		const median = (xs: number[]) => quantile(xs, 0.5);
 		const of = (runs: RouteRun[], rate: number, route: Route) => {
 			const rs = runs.filter((r) => r.targetRate === rate && r.route === route);
 			return {
