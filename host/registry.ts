@@ -22,7 +22,11 @@ import {
 	type Sandbox,
 	type SandboxFactory,
 } from "../client/sandbox.ts";
-import { WorkspaceSandbox, workspaceFactory } from "./drivers/workspace.ts";
+import {
+	WorkspaceSandbox,
+	timeLimit,
+	workspaceFactory,
+} from "./drivers/workspace.ts";
 
 const run = promisify(execFile);
 
@@ -133,7 +137,7 @@ function workspaceDriver(config: DriverConfig): HostDriver {
 		name: "workspace",
 		factory(template) {
 			if (template.name === undefined) return empty;
-			const seed = seeds[template.name];
+			const seed = configured(seeds, template.name);
 			if (seed === undefined)
 				throw new UnknownTemplateError(
 					`no workspace seed named ${template.name}`,
@@ -149,31 +153,48 @@ function workspaceDriver(config: DriverConfig): HostDriver {
 		// an output cap only when constructed: the request's time limit caps
 		// what the agent asked for, and the output is cut here.
 		async exec(sandbox, call, limits) {
-			const r = await sandbox.exec(withTimeout(call, limits.timeoutMs));
+			const r = await (sandbox as WorkspaceSandbox).exec(
+				withTimeout(call, limits.timeoutMs),
+			);
 			return {
 				output: capOutput(r.output, limits.maxOutputBytes),
 				exitCode: r.exitCode,
 				execMs: r.execMs,
-				// The workspace marks a timeout with exit code 124; a command
-				// that exits 124 by itself does so before the limit.
-				timedOut: r.exitCode === 124 && r.execMs >= limits.timeoutMs,
+				// The call's own limit may be the shorter one, so only the
+				// driver knows whether a limit stopped it.
+				timedOut: r.timedOut,
 			};
 		},
 	};
 }
 
-/** A workspace call with its time limit at most `timeoutMs`. */
+/**
+ * A workspace call with its time limit at most `timeoutMs`, the rule every
+ * driver keeps ({@link timeLimit}). A `timeoutMs` that is not a number is
+ * left for the driver to refuse.
+ */
 function withTimeout(call: Call, timeoutMs: number): Call {
 	const args = call.args;
 	if (typeof args === "string")
 		return { ...call, args: { cmd: args, timeoutMs } };
 	if (args !== null && typeof args === "object" && !Array.isArray(args)) {
 		const own = (args as Record<string, unknown>).timeoutMs;
-		const limit =
-			typeof own === "number" ? Math.min(own, timeoutMs) : timeoutMs;
+		if (own !== undefined && typeof own !== "number") return call;
+		const limit = timeLimit(own, timeoutMs, timeoutMs);
 		return { ...call, args: { ...args, timeoutMs: limit } };
 	}
 	return call;
+}
+
+/**
+ * A configured value by template name, only if configured: a name such as
+ * `constructor` or `__proto__` must not find what every object inherits.
+ */
+function configured<T>(
+	table: Readonly<Record<string, T>>,
+	name: string,
+): T | undefined {
+	return Object.hasOwn(table, name) ? table[name] : undefined;
 }
 
 /**
@@ -276,7 +297,7 @@ const loadDocker: DriverLoader = async (config) => {
 			const image =
 				template.name === undefined
 					? (config.docker?.defaultImage ?? docker.DEFAULT_IMAGE)
-					: (images[template.name] ?? template.name);
+					: (configured(images, template.name) ?? template.name);
 			const network = template.network === true;
 			const key = `${image}\n${network}`;
 			let factory = factories.get(key);
@@ -313,7 +334,7 @@ const loadSqlite: DriverLoader = async (config) => {
 		name: "sqlite",
 		factory(template) {
 			const name = template.name ?? "chinook";
-			const seed = databases[name];
+			const seed = configured(databases, name);
 			if (seed === undefined || !existsSync(seed))
 				throw new UnknownTemplateError(`no sqlite database named ${name}`);
 			let factory = factories.get(name);

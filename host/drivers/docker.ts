@@ -33,9 +33,10 @@
  */
 import { randomBytes } from "node:crypto";
 import http from "node:http";
+import path from "node:path";
 import { Readable } from "node:stream";
 import { promisify } from "node:util";
-import { gzip as gzipCallback } from "node:zlib";
+import { createGunzip, gzip as gzipCallback } from "node:zlib";
 import type {
 	Call,
 	ExecResult,
@@ -44,7 +45,7 @@ import type {
 	SandboxSnapshot,
 	SnapshotSource,
 } from "../../client/sandbox.ts";
-import { commandOf, defaultMutates } from "./workspace.ts";
+import { commandOf, defaultMutates, timeLimit } from "./workspace.ts";
 
 const gzip = promisify(gzipCallback);
 
@@ -84,7 +85,10 @@ export interface DockerOptions {
 	workdir?: string;
 	/** Environment variables of every container, on top of the image's. */
 	env?: Record<string, string>;
-	/** A command's time limit in ms (default 60 s); a call may lower or raise it. */
+	/**
+	 * A command's time limit in ms (default 60 s) when the call gives none;
+	 * a limit passed to `exec` caps the call's ({@link timeLimit}).
+	 */
 	timeoutMs?: number;
 	/** Output kept per call, in bytes (default 1 MiB); the rest is cut off. */
 	maxOutputBytes?: number;
@@ -626,8 +630,23 @@ class DockerContext {
 	 * `docker load` of a snapshot, tagged `repo:tag` for the one sandbox that
 	 * will own it. Snapshots are saved by image id, so the archive names no
 	 * tag and two sandboxes restoring the same snapshot never share one.
+	 *
+	 * The engine tags whatever an archive names, and a snapshot comes from
+	 * outside: one naming the template image would swap the image every
+	 * fresh sandbox runs. So an archive that names any image is refused
+	 * before it reaches the engine ({@link refuseNamedArchive}), and should
+	 * the engine still report a name (a tar our reader saw otherwise than
+	 * the engine's), the template's tag is put back where it was.
 	 */
 	async load(data: Uint8Array, repo: string, tag: string): Promise<string> {
+		await refuseNamedArchive(data);
+		const template = this.options.image ?? DEFAULT_IMAGE;
+		const imageId = (name: string) =>
+			this.engine.inspectImage(name).then(
+				(image) => image.Id,
+				() => null,
+			);
+		const before = await imageId(template);
 		const res = await this.engine.request("POST", "/images/load", {
 			query: { quiet: true },
 			body: data,
@@ -646,8 +665,27 @@ class DockerContext {
 					`image here, or snapshot with thinSnapshots: false): ${failed}`,
 			);
 		if (failed) throw new DockerError(400, `load: ${failed}`);
+		const named = streamLines(text).flatMap(
+			(m) => /^Loaded image: (\S+)/.exec(m.stream ?? "")?.[1] ?? [],
+		);
+		if (named.length > 0) {
+			// A rebuild of the template during a load that names nothing is
+			// left alone: only a load that tagged something moves it back.
+			if ((await imageId(template)) !== before) {
+				if (before === null) await this.engine.removeImage(template);
+				else
+					await this.engine.json("POST", `/images/${enc(before)}/tag`, {
+						query: { repo: repoOf(template), tag: tagOf(template) },
+					});
+			}
+			throw new DockerError(
+				400,
+				`load: the snapshot names images (${named.join(", ")}); ` +
+					`a snapshot must name none`,
+			);
+		}
 		const loaded = streamLines(text)
-			.map((m) => /^Loaded image(?: ID)?: (\S+)/.exec(m.stream ?? "")?.[1])
+			.map((m) => /^Loaded image ID: (\S+)/.exec(m.stream ?? "")?.[1])
 			.find((id) => id !== undefined);
 		if (!loaded)
 			throw new DockerError(400, `load: no image in the archive: ${text}`);
@@ -834,7 +872,9 @@ const templateLayers = new Map<string, Promise<TemplateLayers>>();
  * Streams a tar archive, keeping the entries `keep` says yes to. Entries
  * left out are never buffered. Reads the ustar name and prefix and a
  * preceding pax (`x`) or GNU long-name (`L`) header, which go with the
- * entry they precede.
+ * entry they precede, a pax `size`, and names as the engine's untar
+ * cleans them (`./a`, `b/../a` are `a`), so that what
+ * {@link refuseNamedArchive} reads is what `docker load` would.
  */
 async function filterTar(
 	stream: Readable,
@@ -844,6 +884,7 @@ async function filterTar(
 	let pending: Buffer = Buffer.alloc(0);
 	let meta: Buffer[] = [];
 	let longName: string | undefined;
+	let paxSize: number | undefined;
 	let current: {
 		entry: TarEntry;
 		keep: boolean;
@@ -888,29 +929,40 @@ async function filterTar(
 					.subarray(from, from + length)
 					.toString("utf8")
 					.replace(/\0.*$/s, "");
-			const size = parseInt(field(124, 12).trim() || "0", 8);
+			const sizeField = field(124, 12).trim() || "0";
+			// Base-256 sizes (GNU, past 8 GiB) are not read here: refuse
+			// rather than lose step with the entries.
+			if (!/^[0-7]+$/.test(sizeField))
+				throw new Error("docker save: an entry size that is not octal");
 			const type = String.fromCharCode(header[156]!);
+			const isMeta = type === "x" || type === "L" || type === "g";
+			// A pax size is the size of the entry it precedes.
+			const size = (isMeta ? undefined : paxSize) ?? parseInt(sizeField, 8);
 			const padded = Math.ceil(size / 512) * 512;
-			if (type === "x" || type === "L" || type === "g") {
+			if (isMeta) {
 				// Small: wait until it is here whole.
 				if (pending.length < 512 + padded) break;
 				const data = pending.subarray(512, 512 + size).toString("utf8");
-				if (type === "x")
+				if (type === "x") {
 					longName = /(?:^|\n)\d+ path=([^\n]*)\n/.exec(data)?.[1] ?? longName;
+					const sized = /(?:^|\n)\d+ size=(\d+)\n/.exec(data)?.[1];
+					if (sized !== undefined) paxSize = Number(sized);
+				}
 				if (type === "L") longName = data.replace(/\0.*$/s, "");
 				meta.push(pending.subarray(0, 512 + padded));
 				pending = pending.subarray(512 + padded);
 				continue;
 			}
 			const prefix = field(345, 155);
-			const name = (
-				longName ?? (prefix ? `${prefix}/` : "") + field(0, 100)
-			).replace(/^\.\//, "");
+			const name = path.posix
+				.normalize(longName ?? (prefix ? `${prefix}/` : "") + field(0, 100))
+				.replace(/^(\.?\/)+/, "");
 			const entry = { name, size };
 			const kept = keep(entry);
 			if (kept) out.blocks.push(...meta, header);
 			meta = [];
 			longName = undefined;
+			paxSize = undefined;
 			current = { entry, keep: kept, left: padded, data: [] };
 			pending = pending.subarray(512);
 		}
@@ -963,6 +1015,76 @@ function thinArchive(
 		return at >= 0 && at < shared && template.sizes[at] === entry.size;
 	});
 	return ok ? archive(saved) : undefined;
+}
+
+/**
+ * Throws unless `data` is a tar (gzipped or not) of one `docker save` that
+ * names no image: a manifest.json whose entries have no RepoTags, no legacy
+ * `repositories` file (which a load without a manifest reads for tags),
+ * and no image-name annotations in an OCI index.json (newer engines read
+ * those). Only top-level entries are read; layers stream past.
+ */
+export async function refuseNamedArchive(data: Uint8Array): Promise<void> {
+	const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+	const refuse = (why: string) => {
+		throw new DockerError(400, `load: the snapshot ${why}`);
+	};
+	let stream: Readable = Readable.from([bytes]);
+	if (bytes[0] === 0x1f && bytes[1] === 0x8b)
+		stream = stream.pipe(createGunzip());
+	else if (bytes.subarray(257, 262).toString("latin1") !== "ustar")
+		refuse("is neither a tar nor a gzipped tar");
+	let saved: FilteredTar;
+	try {
+		saved = await filterTar(stream, (entry) => !entry.name.includes("/"));
+	} catch (err) {
+		return refuse(`is not a readable archive: ${(err as Error).message}`);
+	}
+	const json = (name: string): unknown => {
+		const file = saved.files.get(name);
+		if (file === undefined) return undefined;
+		try {
+			return JSON.parse(file.toString("utf8"));
+		} catch {
+			// A link or a directory by that name reads as empty here.
+			return refuse(`has a ${name} that is not JSON`);
+		}
+	};
+	if (saved.files.has("repositories")) refuse("names images (repositories)");
+	const manifest = json("manifest.json");
+	if (!Array.isArray(manifest) || manifest.length === 0)
+		refuse("has no manifest.json listing its image");
+	for (const entry of manifest as { RepoTags?: unknown }[]) {
+		const tags = entry?.RepoTags;
+		if (tags !== undefined && tags !== null && !isEmptyArray(tags))
+			refuse(`names images (${JSON.stringify(tags)} in manifest.json)`);
+	}
+	const index = json("index.json") as
+		{ manifests?: { annotations?: Record<string, unknown> }[] } | undefined;
+	for (const m of index?.manifests ?? []) {
+		const names = Object.keys(m?.annotations ?? {}).filter((k) =>
+			/^(io\.containerd\.image\.name|org\.opencontainers\.image\.ref\.name)$/.test(
+				k,
+			),
+		);
+		if (names.length > 0) refuse(`names images (${names[0]} in index.json)`);
+	}
+}
+
+function isEmptyArray(value: unknown): boolean {
+	return Array.isArray(value) && value.length === 0;
+}
+
+/** The repository of an image reference (`a/b:t` → `a/b`). */
+function repoOf(ref: string): string {
+	const colon = ref.lastIndexOf(":");
+	return colon > ref.lastIndexOf("/") ? ref.slice(0, colon) : ref;
+}
+
+/** The tag of an image reference, `latest` when it has none. */
+function tagOf(ref: string): string {
+	const colon = ref.lastIndexOf(":");
+	return colon > ref.lastIndexOf("/") ? ref.slice(colon + 1) : "latest";
 }
 
 /** The messages of a JSON-lines progress stream (load, import). */
@@ -1078,11 +1200,11 @@ export class DockerSandbox implements Sandbox {
 			throw new TypeError(`the docker driver does not run tool ${call.tool}`);
 		const command = commandOf(call);
 		const container = this.containerId;
-		const timeoutMs =
-			options.timeoutMs ??
-			command.timeoutMs ??
-			context.options.timeoutMs ??
-			60_000;
+		const timeoutMs = timeLimit(
+			command.timeoutMs,
+			options.timeoutMs,
+			context.options.timeoutMs ?? 60_000,
+		);
 		const cap =
 			options.maxOutputBytes ?? context.options.maxOutputBytes ?? 1 << 20;
 		const token = newName();

@@ -68,6 +68,7 @@ import {
 	type SandboxFactory,
 	type SnapshotSource,
 } from "../../client/sandbox.ts";
+import { timeLimit } from "./workspace.ts";
 
 /** The driver name recorded in snapshot refs. */
 export const SQLITE_DRIVER = "sqlite";
@@ -102,7 +103,10 @@ export interface SqliteOptions {
 	root: string;
 	/** The database a fresh sandbox starts as; copied, never written (default {@link CHINOOK_PATH}). */
 	seed?: string;
-	/** A statement's time limit in ms (default 30 s); a call may lower or raise it. */
+	/**
+	 * A statement's time limit in ms (default 30 s) when the call gives
+	 * none; a limit passed to `exec` caps the call's ({@link timeLimit}).
+	 */
 	timeoutMs?: number;
 	/** Output kept per call, in bytes (default 1 MiB); the rest is cut off. */
 	maxOutputBytes?: number;
@@ -476,8 +480,11 @@ export class SqliteSandbox implements Sandbox {
 		if (!tools.includes(call.tool))
 			throw new TypeError(`the sqlite driver does not run tool ${call.tool}`);
 		const { query, timeoutMs: callTimeout } = queryOf(call);
-		const timeoutMs =
-			callTimeout ?? limits.timeoutMs ?? this.#options.timeoutMs ?? 30_000;
+		const timeoutMs = timeLimit(
+			callTimeout,
+			limits.timeoutMs,
+			this.#options.timeoutMs ?? 30_000,
+		);
 		const maxOutputBytes =
 			limits.maxOutputBytes ?? this.#options.maxOutputBytes ?? 1 << 20;
 		return this.#serial(async () => {

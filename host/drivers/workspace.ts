@@ -86,6 +86,17 @@ export interface WorkspaceOptions {
 	log?: (line: string) => void;
 }
 
+/** What an exec gave, and whether the time limit stopped it. */
+export interface WorkspaceExecResult extends ExecResult {
+	timedOut: boolean;
+}
+
+/**
+ * How long output may take to drain once a command has exited and its
+ * process group is killed: only a job that left the group can still write.
+ */
+const DRAIN_GRACE_MS = 1000;
+
 /** A shell command as a call carries it. */
 export interface Command {
 	cmd: string;
@@ -119,6 +130,21 @@ export function commandOf(call: Call): Command {
 	throw new TypeError(
 		`${call.tool}: args must be a command string or {cmd, cwd?, timeoutMs?}`,
 	);
+}
+
+/**
+ * A call's time limit: the shorter of its own (`{cmd, timeoutMs}`) and the
+ * one its caller passes (the host's); the sandbox's default when neither
+ * says. The same rule in every driver, so one call stops at the same time
+ * whichever runs it.
+ */
+export function timeLimit(
+	own: number | undefined,
+	passed: number | undefined,
+	fallback: number,
+): number {
+	if (own === undefined) return passed ?? fallback;
+	return passed === undefined ? own : Math.min(own, passed);
 }
 
 const READ_ONLY = new Set([
@@ -171,24 +197,80 @@ const READ_ONLY_GIT = new Set([
 ]);
 
 /**
+ * Options that make a reading command write a file or run a program, by
+ * command: `short` letters anywhere in a cluster of short options (`-uo`),
+ * `long` prefixes of long options (GNU tools take any unambiguous prefix,
+ * `--outp=f`). Broader than the tools' own lists on purpose: a read taken
+ * for a write costs a cache miss, a write taken for a read a wrong answer.
+ */
+const WRITING_OPTIONS: Record<string, { short?: string; long?: string[] }> = {
+	// --output, --compress-program
+	sort: { short: "o", long: ["--o", "--co"] },
+	// -o file; -R runs tree again with `-o 00Tree.html` in each directory
+	tree: { short: "oR", long: ["--o"] },
+	// --output=f, which log, show and diff all take
+	git: { long: ["--o"] },
+	// --pre runs a program on every file searched
+	rg: { long: ["--pre"] },
+	// -C compiles a magic file into a new .mgc file
+	file: { short: "C", long: ["--com"] },
+};
+
+/** Commands whose second operand is a file they write (`uniq in out`). */
+const OUTPUT_OPERAND = new Set(["uniq", "xxd"]);
+
+/**
  * Whether a shell command only reads. Deliberately narrow: a pipeline of
  * known reading commands with no redirection, command list, substitution,
- * or writing flag. Anything else counts as state-changing, the safe side.
+ * or writing option or operand. Anything else counts as state-changing,
+ * the safe side. Words are split at spaces and stripped of quotes and
+ * backslashes, so `"-o"` reads as `-o`; a quoted space only makes more
+ * words, which can only make a command look more like a write.
  */
 export function looksReadOnly(cmd: string): boolean {
 	if (/[>;&`\n\r]|\$\(|<\(/.test(cmd)) return false;
 	return cmd.split("|").every((segment) => {
-		const words = segment.trim().split(/\s+/);
-		const [name, sub] = words;
-		if (name === "git") return READ_ONLY_GIT.has(sub ?? "");
-		if (!READ_ONLY.has(name ?? "")) return false;
-		if (name === "find")
-			return !words.some((w) =>
-				/^-(delete|exec|execdir|ok|okdir|fprint.*|fls)$/.test(w),
-			);
-		if (name === "sort") return !words.some((w) => /^(-o|--output)/.test(w));
+		const words = segment
+			.trim()
+			.split(/\s+/)
+			.map((w) => w.replace(/['"\\]/g, ""));
+		const [name = "", sub = ""] = words;
+		const args = words.slice(1);
+		if (name === "git" && !READ_ONLY_GIT.has(sub)) return false;
+		if (name !== "git" && !READ_ONLY.has(name)) return false;
+		if (
+			name === "find" &&
+			args.some((w) => /^-(delete|exec|execdir|ok|okdir|fprint.*|fls)$/.test(w))
+		)
+			return false;
+		const writing = WRITING_OPTIONS[name];
+		if (writing && args.some((w) => writingOption(w, writing))) return false;
+		if (OUTPUT_OPERAND.has(name) && operands(args).length > 1) return false;
 		return true;
 	});
+}
+
+/** Whether `word` is one of the options `writing` lists. */
+function writingOption(
+	word: string,
+	writing: { short?: string; long?: string[] },
+): boolean {
+	if (word.startsWith("--"))
+		return (writing.long ?? []).some((prefix) => word.startsWith(prefix));
+	if (!word.startsWith("-")) return false;
+	return [...(writing.short ?? "")].some((letter) => word.includes(letter));
+}
+
+/**
+ * A command's operands: words that are not options, `-` (stdin or stdout)
+ * included, and every word after `--`. An option's own argument (`-f 1`)
+ * counts as an operand too, which errs towards state-changing.
+ */
+function operands(args: readonly string[]): string[] {
+	const end = args.indexOf("--");
+	const before = end === -1 ? args : args.slice(0, end);
+	const after = end === -1 ? [] : args.slice(end + 1);
+	return [...before.filter((w) => w === "-" || !w.startsWith("-")), ...after];
 }
 
 /** The workspace's default: a shell call mutates unless {@link looksReadOnly}; other tools mutate. */
@@ -251,8 +333,10 @@ export class WorkspaceSandbox implements Sandbox {
 	 * Runs the call's command with `bash -c` in the directory: stdout and
 	 * stderr through one pipe, in the order written, cut at the output cap.
 	 * A timeout kills the command's process group and gives exit code 124.
+	 * A `cwd` that is not a directory fails the command (exit code 1), as
+	 * the Docker driver's does: a failed command is a result, not an error.
 	 */
-	async exec(call: Call): Promise<ExecResult> {
+	async exec(call: Call): Promise<WorkspaceExecResult> {
 		const tools = this.#options.tools ?? DEFAULT_TOOLS;
 		if (!tools.includes(call.tool))
 			throw new TypeError(
@@ -269,14 +353,24 @@ export class WorkspaceSandbox implements Sandbox {
 		// The outer shell points stderr at stdout before exec'ing the
 		// command's own shell: one pipe keeps the two in the order they were
 		// written, which two pipes merged here could not, and the cache needs
-		// the same output each time.
-		const shell = ["bash", "-c", 'exec bash -c "$1" 2>&1', "bash", command.cmd];
+		// the same output each time. It also moves to the call's cwd, by its
+		// path relative to the sandbox: a cwd that is missing then fails the
+		// command with a message that reads the same in every sandbox, where
+		// spawn's own cwd would fail the exec (ENOENT).
+		const shell = [
+			"bash",
+			"-c",
+			'exec 2>&1; CDPATH= cd -- "$2" || exit 1; exec bash -c "$1"',
+			"bash",
+			command.cmd,
+			path.relative(this.dir, cwd) || ".",
+		];
 		const argv = isolated
 			? [
 					this.#options.bwrap ?? "bwrap",
 					...(await bwrapArgs(this.#options, this.dir)),
 					"--chdir",
-					path.posix.join(WORKSPACE_MOUNT, path.relative(this.dir, cwd)),
+					WORKSPACE_MOUNT,
 					"--",
 					...shell,
 				]
@@ -284,7 +378,7 @@ export class WorkspaceSandbox implements Sandbox {
 		// Under bubblewrap the command's own stderr is already in stdout, so
 		// whatever reaches stderr is bubblewrap's: kept apart, and an error.
 		const child = spawn(argv[0]!, argv.slice(1), {
-			cwd,
+			cwd: this.dir,
 			env: {
 				PATH: process.env.PATH ?? "/usr/bin:/bin",
 				HOME: home,
@@ -335,7 +429,19 @@ export class WorkspaceSandbox implements Sandbox {
 				resolve([c, s]);
 			});
 		}).finally(() => clearTimeout(timer));
-		await drained;
+		// A job that left the session (setsid) escapes killGroup and may
+		// hold the pipe open for good: keep what arrives within a short
+		// grace, then stop waiting and close the pipes (the job gets EPIPE).
+		let grace: NodeJS.Timeout | undefined;
+		await Promise.race([
+			drained,
+			new Promise((resolve) => {
+				grace = setTimeout(resolve, DRAIN_GRACE_MS);
+			}),
+		]);
+		clearTimeout(grace);
+		stdout.destroy();
+		child.stderr?.destroy();
 		if (pgid !== undefined) this.#running.delete(pgid);
 		const complaint = Buffer.concat(complaints).toString("utf8").trim();
 		if (complaint !== "" && code !== 0 && !timedOut)
@@ -348,7 +454,12 @@ export class WorkspaceSandbox implements Sandbox {
 		const exitCode = timedOut
 			? 124
 			: (code ?? 128 + (signal ? (constants.signals[signal] ?? 0) : 0));
-		return { output, exitCode, execMs: performance.now() - started };
+		return {
+			output,
+			exitCode,
+			execMs: performance.now() - started,
+			timedOut,
+		};
 	}
 
 	/** A copy of the directory (`cp -a --reflink=auto`) as a new, started sandbox. */

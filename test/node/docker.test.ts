@@ -6,8 +6,10 @@
  */
 import { execFile, execFileSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
+import { readFile, readdir, rm, writeFile } from "node:fs/promises";
 import path from "node:path";
 import { promisify } from "node:util";
+import { gzipSync } from "node:zlib";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
 	DockerEngine,
@@ -16,6 +18,7 @@ import {
 	removeLabelled,
 	type DockerOptions,
 } from "../../host/drivers/docker.ts";
+import { cleanTmp, tmp } from "./helpers.ts";
 
 const run = promisify(execFile);
 
@@ -68,6 +71,7 @@ describe.skipIf(skip)("DockerSandbox", () => {
 	});
 	afterAll(async () => {
 		await removeLabelled(labels);
+		await cleanTmp();
 	});
 
 	it("runs a command and returns stdout and stderr in order with its exit code", async () => {
@@ -153,6 +157,28 @@ describe.skipIf(skip)("DockerSandbox", () => {
 		const ps = await sb.exec(sh("sleep 1; ps -o args"), { timeoutMs: 5000 });
 		expect(ps.exitCode).toBe(0);
 		expect(ps.output).not.toMatch(/sleep 3[01]/);
+		await sb.stop();
+	});
+
+	it("takes the shorter of the call's own time limit and the one the host passes", async () => {
+		const sb = await factory().start();
+		const t0 = Date.now();
+		const own = await sb.exec(sh("sleep 5", { timeoutMs: 200 }), {
+			timeoutMs: 60_000,
+		});
+		// Generous: the kill is an exec of its own, and the engine is shared.
+		expect(Date.now() - t0).toBeLessThan(4000);
+		expect(own).toMatchObject({
+			exitCode: 124,
+			timedOut: true,
+			output: "\n[timed out after 200 ms]\n",
+		});
+		const t1 = Date.now();
+		const host = await sb.exec(sh("sleep 5", { timeoutMs: 60_000 }), {
+			timeoutMs: 200,
+		});
+		expect(Date.now() - t1).toBeLessThan(4000);
+		expect(host).toMatchObject({ exitCode: 124, timedOut: true });
 		await sb.stop();
 	});
 
@@ -303,6 +329,94 @@ describe.skipIf(skip)("DockerSandbox", () => {
 				read: async () => snap.data,
 			}),
 		).rejects.toThrow(/leaves out its template image's layers/);
+	});
+
+	it("refuses a snapshot archive that names images, and leaves the template's tag where it was", async () => {
+		// `docker load` tags what an archive names: a crafted snapshot naming
+		// the template would swap the image every fresh sandbox runs. The
+		// template here is a tag of the test's own, so that a driver that
+		// lets the load through moves no tag anything else uses.
+		const template = `trellis-test-template:tags-${RUN}`;
+		await run("docker", ["tag", "trellis-base:latest", template]);
+		const evil = `trellis-test-evil:${RUN}`;
+		const dir = await tmp("docker-tags");
+		try {
+			const templateId = (await engine.inspectImage(template)).Id;
+			const f = factory({ image: template });
+			const sb = await f.start();
+			await sb.exec(sh("echo evil > /etc/evil"));
+			await run("docker", ["commit", sb.containerId, evil]);
+			await sb.stop();
+			const saved = path.join(dir, "saved");
+			await run("mkdir", [saved]);
+			await run("sh", [
+				"-c",
+				`docker save "$1" | tar -x -C "$2"`,
+				"sh",
+				evil,
+				saved,
+			]);
+			await run("docker", ["rmi", evil]);
+			const [repo, tag] = template.split(":");
+			const manifestFile = path.join(saved, "manifest.json");
+			const manifest = JSON.parse(await readFile(manifestFile, "utf8"));
+			const repositories = JSON.parse(
+				await readFile(path.join(saved, "repositories"), "utf8"),
+			);
+			const layer = Object.values(
+				Object.values(repositories)[0] as Record<string, string>,
+			)[0];
+			/** The saved archive with its names replaced: a tar of `saved`. */
+			const crafted = async (
+				names: { manifest?: boolean; repositories?: boolean },
+				gzip = false,
+			): Promise<Uint8Array> => {
+				if (names.manifest !== undefined)
+					await writeFile(
+						manifestFile,
+						JSON.stringify([
+							{ ...manifest[0], RepoTags: names.manifest ? [template] : null },
+						]),
+					);
+				else await rm(manifestFile, { force: true });
+				const reposFile = path.join(saved, "repositories");
+				if (names.repositories)
+					await writeFile(
+						reposFile,
+						JSON.stringify({ [repo!]: { [tag!]: layer } }),
+					);
+				else await rm(reposFile, { force: true });
+				const out = path.join(dir, "crafted.tar");
+				await run("tar", ["-cf", out, "-C", saved, ...(await readdir(saved))]);
+				const data = await readFile(out);
+				return gzip ? gzipSync(data) : data;
+			};
+			const restore = (data: Uint8Array) =>
+				f.restore({
+					ref: { driver: "docker" } as never,
+					read: async () => data,
+				});
+			// RepoTags in manifest.json, plain and gzipped as snapshots are.
+			for (const gzip of [false, true])
+				await expect(
+					restore(await crafted({ manifest: true }, gzip)),
+				).rejects.toThrow(/names images/);
+			// The legacy `repositories` file, which a load without a manifest reads.
+			await expect(
+				restore(await crafted({ repositories: true })),
+			).rejects.toThrow(/names images/);
+			await expect(
+				restore(await crafted({ manifest: false, repositories: true })),
+			).rejects.toThrow(/names images/);
+			expect((await engine.inspectImage(template)).Id).toBe(templateId);
+			// The same archive naming nothing is an ordinary snapshot.
+			const plain = await restore(await crafted({ manifest: false }, true));
+			expect((await plain.exec(sh("cat /etc/evil"))).output).toBe("evil\n");
+			await plain.stop();
+			expect((await engine.inspectImage(template)).Id).toBe(templateId);
+		} finally {
+			await run("docker", ["rmi", template]).catch(() => {});
+		}
 	});
 
 	it("stop removes every container and image the sandboxes created", async () => {

@@ -25,6 +25,11 @@ import type {
 	StartSandboxResponse,
 } from "../../core/host-api.ts";
 import { sign } from "../../core/signing.ts";
+import {
+	UnknownTemplateError,
+	loadDrivers,
+	type DriverConfig,
+} from "../../host/registry.ts";
 import { createHost, type Host, type HostOptions } from "../../host/server.ts";
 import { cleanTmp, taskName, tmp } from "./helpers.ts";
 
@@ -622,6 +627,16 @@ describe("bad input", () => {
 				{ template: { driver: "workspace", name: "../../etc" } },
 				"unknown_template",
 			],
+			// Names of properties every object inherits are no seeds either.
+			...["constructor", "__proto__", "toString"].map(
+				(name) =>
+					[
+						"POST",
+						"/sandboxes",
+						{ template: { driver: "workspace", name } },
+						"unknown_template",
+					] as [string, string, unknown, string],
+			),
 			[
 				"POST",
 				"/sandboxes",
@@ -938,6 +953,55 @@ describe("sqlite and docker through the host", () => {
 		},
 		120_000,
 	);
+});
+
+describe("the driver registry", () => {
+	async function drivers(extra: Partial<DriverConfig> = {}) {
+		const config: DriverConfig = {
+			dataDir: await tmp("registry"),
+			instance: taskName("registry"),
+			maxOutputBytes: 1 << 20,
+			execTimeoutMs: 60_000,
+			workspace: { isolate: "none", seeds: { hello: seedDir } },
+			...extra,
+		};
+		return (await loadDrivers(config, ["workspace", "sqlite"])).drivers;
+	}
+
+	it("knows only the templates it was configured with, not names every object inherits", async () => {
+		const loaded = await drivers();
+		for (const driver of ["workspace", "sqlite"] as const)
+			for (const name of ["constructor", "__proto__", "toString"])
+				expect(
+					() => loaded.get(driver)!.factory({ driver, name }),
+					`${driver} ${name}`,
+				).toThrow(UnknownTemplateError);
+		expect(
+			loaded.get("workspace")!.factory({ driver: "workspace", name: "hello" }),
+		).toBeDefined();
+	});
+
+	it("reports a workspace call stopped by its own shorter time limit as timed out", async () => {
+		const workspace = (await drivers()).get("workspace")!;
+		const sandbox = await workspace.factory({ driver: "workspace" }).start();
+		const limits = { timeoutMs: 60_000, maxOutputBytes: 1 << 20 };
+		const t0 = Date.now();
+		const r = await workspace.exec(
+			sandbox,
+			{ tool: "bash", args: { cmd: "sleep 5", timeoutMs: 200 } },
+			limits,
+		);
+		expect(Date.now() - t0).toBeLessThan(4000);
+		expect(r).toMatchObject({ exitCode: 124, timedOut: true });
+		// A command that exits 124 by itself did not time out.
+		const own = await workspace.exec(
+			sandbox,
+			{ tool: "bash", args: "exit 124" },
+			limits,
+		);
+		expect(own).toMatchObject({ exitCode: 124, timedOut: false });
+		await sandbox.stop();
+	});
 });
 
 describe("bin/host.ts", () => {

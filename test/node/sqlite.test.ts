@@ -253,6 +253,22 @@ describe("SqliteSandbox", () => {
 		await sb.stop();
 	});
 
+	it("takes the shorter of the call's own time limit and the host's, so a call cannot outlast the host", async () => {
+		const sb = await started();
+		const t0 = Date.now();
+		const r = await sb.exec(
+			sql(`${RUNAWAY} SELECT count(*) FROM c`, { timeoutMs: 60_000 }),
+			{ timeoutMs: 200 },
+		);
+		expect(Date.now() - t0).toBeLessThan(10_000);
+		expect(r).toMatchObject({
+			exitCode: 124,
+			timedOut: true,
+			output: "[timed out after 200 ms]\n",
+		});
+		await sb.stop();
+	}, 30_000);
+
 	it("cuts the output at the size cap, and says so", async () => {
 		const sb = await started({ maxOutputBytes: 40 });
 		const r = await sb.exec(sql("SELECT Name FROM Artist ORDER BY ArtistId"));

@@ -78,6 +78,47 @@ describe("WorkspaceSandbox", () => {
 		await sb.stop();
 	});
 
+	it("returns when the command exits even if a job that left its session (setsid) holds the output open", async () => {
+		// The job escapes the process-group kill; waiting for the pipe to
+		// close would wait for it, forever for a daemon.
+		const sb = await started({ timeoutMs: 500 });
+		const t0 = Date.now();
+		try {
+			// The wait makes sure the job has left before the command exits.
+			const r = await sb.exec(
+				sh(
+					"setsid sh -c 'echo $$ > stray.pid; exec sleep 30' & " +
+						"until [ -s stray.pid ]; do sleep 0.05; done; echo hi",
+				),
+			);
+			expect(Date.now() - t0).toBeLessThan(5000);
+			expect(r.output).toContain("hi");
+			expect(r.exitCode).toBe(0);
+		} finally {
+			const pid = Number(
+				await readFile(path.join(sb.dir, "stray.pid"), "utf8").catch(() => ""),
+			);
+			if (pid > 0) process.kill(pid, "SIGKILL");
+			await sb.stop();
+		}
+	}, 15_000);
+
+	it("answers a cwd that does not exist with a failed command, not an error", async () => {
+		// A failing command is a result: the host must not drop the sandbox.
+		const sb = await started();
+		const r = await sb.exec(sh("echo ran", { cwd: "nope/deeper" }));
+		expect(r.exitCode).not.toBe(0);
+		expect(r.output).toContain("nope/deeper: No such file or directory");
+		expect(r.output).not.toContain("ran");
+		expect(r.output).not.toContain(sb.dir);
+		// A file is no directory either.
+		await sb.exec(sh("touch f"));
+		const file = await sb.exec(sh("echo ran", { cwd: "f" }));
+		expect(file.exitCode).not.toBe(0);
+		expect(file.output).toContain("f: Not a directory");
+		await sb.stop();
+	});
+
 	it("cuts the output at the size cap and says how much it dropped", async () => {
 		const sb = await started({ maxOutputBytes: 64 });
 		const r = await sb.exec(sh("head -c 1000 /dev/zero | tr '\\0' a"));
@@ -187,6 +228,9 @@ describeIsolated("WorkspaceSandbox isolated with bubblewrap", () => {
 		expect((await a.exec(sh("pwd", { cwd: "sub/dir" }))).output).toBe(
 			"/work/sub/dir\n",
 		);
+		const missing = await a.exec(sh("pwd", { cwd: "sub/nope" }));
+		expect(missing.exitCode).toBe(1);
+		expect(missing.output).toContain("sub/nope: No such file or directory");
 		await Promise.all([a.stop(), b.stop()]);
 	});
 
@@ -373,6 +417,50 @@ describe("which workspace calls change state", () => {
 			"python run.py",
 		])
 			expect(looksReadOnly(cmd), cmd).toBe(false);
+	});
+
+	it("counts reading commands given an output file, or told to run a program, as state-changing", () => {
+		// Each of these writes a file (or runs one) though its command reads.
+		for (const cmd of [
+			"uniq in out",
+			"uniq -c in out",
+			"uniq - out",
+			"uniq -- -in out",
+			"xxd in out",
+			"xxd -r dump bin",
+			"tree -o f",
+			"tree -ao f",
+			"tree -R -H . -L 1",
+			"sort -uo f x",
+			"sort -ofile x",
+			"sort --output=f x",
+			"sort --outp=f x",
+			"sort --compress-program=./run x",
+			'sort "-o" f x',
+			"sort \\-o f x",
+			"git diff --output=f",
+			"git log -p --output f",
+			"git show HEAD --output=f",
+			"find . '-delete'",
+			"rg --pre ./run foo",
+			"file -C -m magic",
+			"cat f | uniq - out",
+		])
+			expect(looksReadOnly(cmd), cmd).toBe(false);
+		// The same commands reading stay stateless.
+		for (const cmd of [
+			"uniq f",
+			"sort f | uniq -c",
+			"xxd f",
+			"tree -L 2",
+			"sort -u f",
+			"sort -k 2 -t , f",
+			"git diff HEAD~1",
+			"find . -name '*.py'",
+			"rg foo src",
+			"file f",
+		])
+			expect(looksReadOnly(cmd), cmd).toBe(true);
 	});
 
 	it("treats tools other than the shell, and args it cannot read, as state-changing", () => {
