@@ -2,7 +2,13 @@
  * The cached-execution loop of one rollout (library mode): ask the cache
  * first, run in a sandbox only what it does not know, and record what ran.
  */
-import type { Lease, LookupResponse, Miss, SnapshotRef } from "../core/api.ts";
+import type {
+	Lease,
+	LookupResponse,
+	Miss,
+	RecordResponse,
+	SnapshotRef,
+} from "../core/api.ts";
 import { ROOT_ID, callKey, childId, obsId, type Call } from "../core/ids.ts";
 import {
 	TrellisError,
@@ -84,8 +90,13 @@ export interface RolloutCounters {
 	restores: number;
 	/** Snapshots taken and uploaded. */
 	snapshots: number;
-	/** Snapshot leases the cache granted on misses; each is released before `call` returns. */
+	/**
+	 * Snapshot leases the cache granted on misses; each is released before
+	 * `call` returns (or, if that fails, left to expire: `unreleasedLeases`).
+	 */
 	leases: number;
+	/** Leases whose release failed; each expires at its TTL instead. */
+	unreleasedLeases: number;
 	/** Recorded calls whose first recorded output differed from ours. */
 	conflicts: number;
 	/** Lookups whose cursor the graph no longer held (retried with the history). */
@@ -102,6 +113,7 @@ function counters(): RolloutCounters {
 		restores: 0,
 		snapshots: 0,
 		leases: 0,
+		unreleasedLeases: 0,
 		conflicts: 0,
 		staleCursors: 0,
 	};
@@ -184,27 +196,39 @@ export class CachedToolExecutor {
 	 * @param tool the tool's name, part of the cache key
 	 * @param args any JSON value, part of the cache key (`null` when absent)
 	 * @param options whether the call changes state, if the caller knows
+	 * @throws whatever failed (the cache, the sandbox); the rollout is then
+	 *   where it was before the call, so the call may simply be retried
 	 */
 	call(
 		tool: string,
 		args?: unknown,
 		options: CallOptions = {},
 	): Promise<CallResult> {
-		// Checked when the call is made: calls queued before `close()` still run.
-		this.#assertOpen();
-		const run = this.#queue.then(() => this.#call(tool, args, options));
-		this.#queue = run.catch(() => {});
-		return run;
+		return this.#enqueue(() => this.#call(tool, args, options));
 	}
 
 	/**
 	 * A new rollout that continues from this one's current state, with fresh
 	 * counters. A live sandbox is forked, so neither rollout disturbs the
-	 * other's.
+	 * other's. It takes its turn with the calls: it forks the state after
+	 * every call made before it, and none made after it.
 	 */
 	async fork(): Promise<CachedToolExecutor> {
-		await this.#queue;
+		return this.#enqueue(() => this.#fork());
+	}
+
+	/**
+	 * Runs `work` after everything queued before it, alone. Checked when
+	 * queued: work queued before `close()` still runs.
+	 */
+	#enqueue<T>(work: () => Promise<T>): Promise<T> {
 		this.#assertOpen();
+		const run = this.#queue.then(work);
+		this.#queue = run.catch(() => {});
+		return run;
+	}
+
+	async #fork(): Promise<CachedToolExecutor> {
 		const twin = new CachedToolExecutor(this.#options);
 		twin.#history = [...this.#history];
 		twin.#states = [...this.#states];
@@ -336,18 +360,30 @@ export class CachedToolExecutor {
 				});
 			}
 			const out = await this.#exec(sandbox, call);
+			let res: RecordResponse;
+			try {
+				recorded.push({
+					...call,
+					...out,
+					...(call.mutates
+						? await this.#maybeSnapshot(call, this.depth + 1, out, false, id)
+						: {}),
+				});
+				res = await this.#client.record(this.task, {
+					from: this.#states[fromDepth],
+					calls: recorded,
+				});
+			} catch (err) {
+				// The call fails, so the rollout's history does not take it, but
+				// the sandbox ran it: kept, it would be a state ahead, and the
+				// call, retried, would run on top of itself. Drop it; the next
+				// miss rebuilds the state from a snapshot or the root. (The
+				// replays before the call are on the path: they leave the
+				// sandbox consistent, and a read changes nothing.)
+				if (call.mutates) await this.#dropSandbox(true);
+				throw err;
+			}
 			if (call.mutates) this.#sandboxDepth = this.depth + 1;
-			recorded.push({
-				...call,
-				...out,
-				...(call.mutates
-					? await this.#maybeSnapshot(call, this.depth + 1, out, false, id)
-					: {}),
-			});
-			const res = await this.#client.record(this.task, {
-				from: this.#states[fromDepth],
-				calls: recorded,
-			});
 			this.#counters.conflicts += res.conflicts;
 			const last = res.results[res.results.length - 1];
 			return {
@@ -411,12 +447,14 @@ export class CachedToolExecutor {
 
 	async #exec(sandbox: Sandbox, call: Required<Call>): Promise<ExecResult> {
 		try {
-			const out = await sandbox.exec(call);
+			const { output, exitCode, execMs } = await sandbox.exec(call);
 			this.#counters.executed++;
-			return out;
+			// Only these go on the wire: a driver's extra fields (a workspace's
+			// `timedOut`, say) are not part of a record, which refuses them.
+			return { output, exitCode, execMs };
 		} catch (err) {
 			// The sandbox's state is unknown after a failed exec: drop it.
-			await this.#dropSandbox();
+			await this.#dropSandbox(true);
 			throw err;
 		}
 	}
@@ -458,18 +496,31 @@ export class CachedToolExecutor {
 		return this.#states[depth];
 	}
 
-	/** Keeps a lease alive while a restore and replay may outlast it. */
+	/**
+	 * Keeps a lease alive while a restore and replay may outlast it: renewed
+	 * at half its life for the TTL it was asked for (without one, a renewal
+	 * gets the server's default, shorter than the interval may be). The
+	 * interval follows the TTL granted, which the server may have capped.
+	 */
 	#hold(lease: Lease): () => void {
 		this.#counters.leases++;
 		this.#leases.add(lease.id);
 		const ttl = Math.max(lease.expiresAt - Date.now(), 1000);
 		const timer = setInterval(() => {
-			this.#client.renewLease(this.task, lease.id).catch(() => {});
+			this.#client
+				.renewLease(this.task, lease.id, this.#options.leaseTtlMs)
+				.catch(() => {});
 		}, ttl / 2);
 		timer.unref?.();
 		return () => clearInterval(timer);
 	}
 
+	/**
+	 * Releases a lease; never throws. A lease that could not be released
+	 * expires at its TTL, so a failure only keeps one snapshot from eviction
+	 * a little longer: it must not fail a call that succeeded, or replace a
+	 * failed call's own error. It is counted in `unreleasedLeases`.
+	 */
 	async #release(id: string): Promise<void> {
 		this.#leases.delete(id);
 		try {
@@ -479,14 +530,19 @@ export class CachedToolExecutor {
 			const gone =
 				err instanceof TrellisError &&
 				(err.code === "lease_expired" || err.code === "lease_not_found");
-			if (!gone) throw err;
+			if (!gone) this.#counters.unreleasedLeases++;
 		}
 	}
 
-	async #dropSandbox(): Promise<void> {
+	/**
+	 * Stops the live sandbox. Dropped because something failed, a sandbox
+	 * that fails to stop as well must not hide that failure's error.
+	 */
+	async #dropSandbox(afterFailure = false): Promise<void> {
 		const sandbox = this.#sandbox;
 		this.#sandbox = null;
 		this.#sandboxDepth = 0;
-		await sandbox?.stop();
+		if (!afterFailure) await sandbox?.stop();
+		else await sandbox?.stop().catch(() => {});
 	}
 }

@@ -61,6 +61,14 @@ export interface TrellisClientOptions {
 	maxBackoffMs?: number;
 	/** Per-attempt time limit of JSON calls in ms (default 30 s; 0: none). */
 	timeoutMs?: number;
+	/**
+	 * How long a snapshot upload or download may go without moving a byte,
+	 * in ms, before the attempt ends as a retryable `timeout` (default 60 s;
+	 * 0: no limit). The clock restarts with every chunk sent or received, so
+	 * a large blob on a slow link takes as long as it needs, while a stalled
+	 * one cannot hold a rollout (and its renewed lease) forever.
+	 */
+	transferIdleMs?: number;
 }
 
 /**
@@ -118,6 +126,13 @@ interface Answer {
 }
 const NONE = new Uint8Array(0);
 
+/**
+ * The time limit of an attempt: `call`, the whole attempt within
+ * `timeoutMs`; `transfer`, no `transferIdleMs` without a byte moving;
+ * `none`, no limit.
+ */
+type Limit = "call" | "transfer" | "none";
+
 interface RequestSpec {
 	method: "GET" | "POST" | "PUT" | "DELETE";
 	path: string;
@@ -126,8 +141,12 @@ interface RequestSpec {
 	body?: Uint8Array;
 	auth?: boolean;
 	retry: RetryPolicy;
-	timeout?: boolean;
+	/** Default `call`. */
+	limit?: Limit;
 }
+
+/** The chunk size an upload is streamed in: each chunk taken is progress. */
+const UPLOAD_CHUNK = 64 << 10;
 
 function enc(segment: string): string {
 	return encodeURIComponent(segment);
@@ -162,6 +181,7 @@ export class TrellisClient {
 	readonly #backoffMs: number;
 	readonly #maxBackoffMs: number;
 	readonly #timeoutMs: number;
+	readonly #transferIdleMs: number;
 
 	constructor(options: TrellisClientOptions) {
 		this.url = options.url.replace(/\/+$/, "");
@@ -171,6 +191,7 @@ export class TrellisClient {
 		this.#backoffMs = options.backoffMs ?? 100;
 		this.#maxBackoffMs = options.maxBackoffMs ?? 10_000;
 		this.#timeoutMs = options.timeoutMs ?? 30_000;
+		this.#transferIdleMs = options.transferIdleMs ?? 60_000;
 	}
 
 	/** A client of the same deployment with another key. */
@@ -183,6 +204,7 @@ export class TrellisClient {
 			backoffMs: this.#backoffMs,
 			maxBackoffMs: this.#maxBackoffMs,
 			timeoutMs: this.#timeoutMs,
+			transferIdleMs: this.#transferIdleMs,
 		});
 	}
 
@@ -379,7 +401,7 @@ export class TrellisClient {
 			path: `/v1/tasks/${enc(task)}/rollouts/${enc(rollout)}/calls`,
 			json: call,
 			retry: "rate-limit-only",
-			timeout: false,
+			limit: "none",
 		});
 	}
 
@@ -418,7 +440,7 @@ export class TrellisClient {
 	 * `PUT /v1/tasks/:task/snapshots/:state`: uploads a snapshot blob of
 	 * `state` for `driver` and returns the ref to record with the call. The
 	 * Worker streams it into R2, which needs its length up front: hence
-	 * bytes, not a stream.
+	 * bytes, not a stream. Limited by `transferIdleMs`, not `timeoutMs`.
 	 */
 	putSnapshot(
 		task: string,
@@ -432,18 +454,21 @@ export class TrellisClient {
 			query: { driver },
 			body: data,
 			retry: "idempotent",
-			timeout: false,
+			limit: "transfer",
 		});
 	}
 
-	/** `GET /v1/tasks/:task/snapshots/:state`: the snapshot blob of a state. */
+	/**
+	 * `GET /v1/tasks/:task/snapshots/:state`: the snapshot blob of a state.
+	 * Limited by `transferIdleMs`, not `timeoutMs`.
+	 */
 	async getSnapshot(task: string, state: string): Promise<Uint8Array> {
 		const { bytes } = await this.#request(
 			{
 				method: "GET",
 				path: `/v1/tasks/${enc(task)}/snapshots/${enc(state)}`,
 				retry: "idempotent",
-				timeout: false,
+				limit: "transfer",
 			},
 			"bytes",
 		);
@@ -499,38 +524,45 @@ export class TrellisClient {
 		return Math.random() * ceiling;
 	}
 
+	/** The attempt's time limit in ms, and whether progress restarts it. */
+	#limit(spec: RequestSpec): { ms: number; idle: boolean } | undefined {
+		const limit = spec.limit ?? "call";
+		if (limit === "call" && this.#timeoutMs > 0)
+			return { ms: this.#timeoutMs, idle: false };
+		if (limit === "transfer" && this.#transferIdleMs > 0)
+			return { ms: this.#transferIdleMs, idle: true };
+		return undefined;
+	}
+
 	async #attempt(spec: RequestSpec, read: Read): Promise<Answer> {
 		const url = new URL(this.url + spec.path);
 		for (const [k, v] of Object.entries(spec.query ?? {}))
 			if (v !== undefined) url.searchParams.set(k, String(v));
 		const headers: Record<string, string> = {};
 		if (spec.auth !== false) headers.authorization = `Bearer ${this.#key}`;
-		let body: RequestInit["body"];
-		if (spec.json !== undefined) {
-			headers["content-type"] = "application/json";
-			body = JSON.stringify(spec.json);
-		} else if (spec.body !== undefined) {
-			headers["content-type"] = "application/octet-stream";
-			body = spec.body as RequestInit["body"];
-		}
-		const limitMs =
-			spec.timeout !== false && this.#timeoutMs > 0
-				? this.#timeoutMs
-				: undefined;
+		const limit = this.#limit(spec);
 		try {
-			return await withDeadline(limitMs, async (signal) => {
-				const res = await this.#fetch(url, {
-					method: spec.method,
-					headers,
-					body,
-					signal,
-				});
+			return await watchdog(limit, async (signal, progress) => {
+				const init: RequestInit = { method: spec.method, headers, signal };
+				if (spec.json !== undefined) {
+					headers["content-type"] = "application/json";
+					init.body = JSON.stringify(spec.json);
+				} else if (spec.body !== undefined) {
+					headers["content-type"] = "application/octet-stream";
+					if (limit?.idle) {
+						// Streamed, to see it move; the length still goes first.
+						headers["content-length"] = String(spec.body.byteLength);
+						init.body = chunks(spec.body, progress);
+						init.duplex = "half";
+					} else init.body = spec.body;
+				}
+				const res = await this.#fetch(url, init);
+				progress();
 				if (!res.ok) throw await errorFrom(res, spec);
 				return {
 					res,
 					text: read === "text" ? await res.text() : "",
-					bytes:
-						read === "bytes" ? new Uint8Array(await res.arrayBuffer()) : NONE,
+					bytes: read === "bytes" ? await readBytes(res, progress) : NONE,
 				};
 			});
 		} catch (cause) {
@@ -540,7 +572,11 @@ export class TrellisClient {
 				status: 0,
 				code: timedOut ? "timeout" : "network_error",
 				message: `${spec.method} ${url.pathname}: ${
-					timedOut ? `no answer within ${limitMs} ms` : describe(cause)
+					!timedOut
+						? describe(cause)
+						: limit?.idle
+							? `no bytes moved for ${limit.ms} ms`
+							: `no answer within ${limit?.ms} ms`
 				}`,
 				cause,
 			});
@@ -549,31 +585,83 @@ export class TrellisClient {
 }
 
 /**
- * `work` with a signal that aborts after `ms` (none when undefined), and
- * settled by then whether or not `work` heeds the abort: Node 20's own
- * `fetch` can fail to settle when the abort comes while it is still sending
- * a large body (docs/benchmarks-soak.md), and a timed-out call must not wait
- * for it forever. Whatever `work` does later is ignored.
+ * `work` with a signal that aborts once the limit is over (never when
+ * undefined), and settled by then whether or not `work` heeds the abort:
+ * Node 20's own `fetch` can fail to settle when the abort comes while it is
+ * still sending a large body (docs/benchmarks-soak.md), and a timed-out call
+ * must not wait for it forever. Whatever `work` does later is ignored. With
+ * an idle limit, each `progress()` of `work` restarts the clock; otherwise
+ * `progress` does nothing.
  */
-async function withDeadline<T>(
-	ms: number | undefined,
-	work: (signal: AbortSignal | undefined) => Promise<T>,
+async function watchdog<T>(
+	limit: { ms: number; idle: boolean } | undefined,
+	work: (signal: AbortSignal | undefined, progress: () => void) => Promise<T>,
 ): Promise<T> {
-	if (ms === undefined) return work(undefined);
+	if (limit === undefined) return work(undefined, () => {});
+	const { ms, idle } = limit;
 	const controller = new AbortController();
 	let timer: ReturnType<typeof setTimeout> | undefined;
+	let last = Date.now();
 	const expired = new Promise<never>((_, reject) => {
-		timer = setTimeout(() => {
+		// One timer, re-armed for what is left when progress came meanwhile,
+		// rather than a new timer for every chunk.
+		const check = () => {
+			const left = last + ms - Date.now();
+			if (idle && left > 0) {
+				timer = setTimeout(check, left);
+				return;
+			}
 			const reason = new DOMException(`over ${ms} ms`, "TimeoutError");
 			controller.abort(reason);
 			reject(reason);
-		}, ms);
+		};
+		timer = setTimeout(check, ms);
 	});
+	const progress = idle ? () => void (last = Date.now()) : () => {};
 	try {
-		return await Promise.race([work(controller.signal), expired]);
+		return await Promise.race([work(controller.signal, progress), expired]);
 	} finally {
 		clearTimeout(timer);
 	}
+}
+
+/** `data` as a stream of chunks, calling `progress` as each is taken. */
+function chunks(
+	data: Uint8Array,
+	progress: () => void,
+): ReadableStream<Uint8Array> {
+	let offset = 0;
+	return new ReadableStream<Uint8Array>({
+		pull(controller) {
+			progress();
+			if (offset >= data.byteLength) return controller.close();
+			const end = Math.min(offset + UPLOAD_CHUNK, data.byteLength);
+			controller.enqueue(data.subarray(offset, end));
+			offset = end;
+		},
+	});
+}
+
+/** A response's whole body, calling `progress` as each chunk arrives. */
+async function readBytes(
+	res: Response,
+	progress: () => void,
+): Promise<Uint8Array> {
+	if (res.body === null) return NONE;
+	const parts: Uint8Array[] = [];
+	let size = 0;
+	for await (const part of res.body) {
+		progress();
+		parts.push(part);
+		size += part.byteLength;
+	}
+	const bytes = new Uint8Array(size);
+	let at = 0;
+	for (const part of parts) {
+		bytes.set(part, at);
+		at += part.byteLength;
+	}
+	return bytes;
 }
 
 function describe(err: unknown): string {

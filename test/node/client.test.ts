@@ -7,6 +7,7 @@ import { readFileSync } from "node:fs";
 import {
 	createServer,
 	type IncomingMessage,
+	type Server,
 	type ServerResponse,
 } from "node:http";
 import type { AddressInfo } from "node:net";
@@ -358,6 +359,19 @@ async function scripted(
 	};
 }
 
+/** Starts `server` on a free local port and returns its URL. */
+async function listen(server: Server): Promise<string> {
+	await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+	const { port } = server.address() as AddressInfo;
+	return `http://127.0.0.1:${port}`;
+}
+
+/** Stops `server`, cutting any connection still open. */
+async function close(server: Server): Promise<void> {
+	server.closeAllConnections();
+	await new Promise((resolve) => server.close(resolve));
+}
+
 describe("retries", () => {
 	const unavailable = {
 		status: 503,
@@ -559,22 +573,130 @@ describe("time limits", () => {
 		}
 	});
 
-	it("puts no time limit on snapshot transfers", async () => {
-		const ref = { driver: "d", key: "k1", bytes: 1 };
+	it("a snapshot download that keeps moving outlasts timeoutMs and the idle limit", async () => {
+		// 8 chunks, 60 ms apart: 420 ms in all, never 300 ms without a byte.
+		const chunk = "x".repeat(64 << 10);
+		const server = createServer((req, res) => {
+			req.resume();
+			res.writeHead(200, {
+				"content-type": "application/octet-stream",
+				"content-length": String(chunk.length * 8),
+			});
+			let sent = 0;
+			const timer = setInterval(() => {
+				res.write(chunk);
+				if (++sent === 8) {
+					clearInterval(timer);
+					res.end();
+				}
+			}, 60);
+		});
+		const url = await listen(server);
+		try {
+			const c = new TrellisClient({
+				url,
+				key: "k",
+				timeoutMs: 50,
+				transferIdleMs: 300,
+				retries: 0,
+			});
+			const t0 = Date.now();
+			const bytes = await c.getSnapshot("t", ROOT_ID);
+			expect(bytes.length).toBe(chunk.length * 8);
+			expect(Date.now() - t0).toBeGreaterThan(300);
+		} finally {
+			await close(server);
+		}
+	});
+
+	it("a snapshot upload that keeps moving outlasts the idle limit, and says its length up front", async () => {
+		const blob = new Uint8Array(1 << 20).fill(7);
+		let length: string | null = null;
+		let received = 0;
 		const c = new TrellisClient({
 			url: "http://127.0.0.1:9",
 			key: "k",
-			timeoutMs: 10,
+			timeoutMs: 50,
+			transferIdleMs: 300,
 			retries: 0,
+			// A peer that takes 60 ms over each chunk it reads: 16 chunks
+			// of 64 KiB, about a second in all.
 			fetch: async (_input, init) => {
-				expect(init?.signal).toBeUndefined();
-				await new Promise((resolve) => setTimeout(resolve, 100));
-				return Response.json(ref, { status: 201 });
+				length = new Headers(init?.headers).get("content-length");
+				const body = init?.body as ReadableStream<Uint8Array>;
+				for await (const chunk of body) {
+					received += chunk.byteLength;
+					await new Promise((resolve) => setTimeout(resolve, 60));
+				}
+				return Response.json(
+					{ driver: "d", key: "k1", bytes: received },
+					{ status: 201 },
+				);
 			},
 		});
-		expect(await c.putSnapshot("t", ROOT_ID, new Uint8Array([1]), "d")).toEqual(
-			ref,
-		);
+		const ref = await c.putSnapshot("t", ROOT_ID, blob, "d");
+		expect(ref.bytes).toBe(blob.length);
+		// The Worker streams the blob into R2, which needs its length first.
+		expect(length).toBe(String(blob.length));
+	});
+
+	it("a snapshot download that stops moving ends as a retryable timeout", async () => {
+		const server = createServer((req, res) => {
+			req.resume();
+			res.writeHead(200, {
+				"content-type": "application/octet-stream",
+				"content-length": String(1 << 20),
+			});
+			res.write("x".repeat(64 << 10)); // and nothing more
+		});
+		const url = await listen(server);
+		try {
+			const c = new TrellisClient({
+				url,
+				key: "k",
+				transferIdleMs: 200,
+				retries: 1,
+				backoffMs: 1,
+			});
+			const err = await failure(() => c.getSnapshot("t", ROOT_ID));
+			expect([err.status, err.code, err.retryable]).toEqual([
+				0,
+				"timeout",
+				true,
+			]);
+			expect(err.message).toContain("no bytes moved for 200 ms");
+		} finally {
+			await close(server);
+		}
+	});
+
+	it("a snapshot upload the server stops reading ends as a retryable timeout", async () => {
+		let requests = 0;
+		const server = createServer((req) => {
+			requests++;
+			req.pause(); // reads nothing, answers nothing
+		});
+		const url = await listen(server);
+		try {
+			const c = new TrellisClient({
+				url,
+				key: "k",
+				transferIdleMs: 300,
+				retries: 1,
+				backoffMs: 1,
+			});
+			// More than the socket buffers on both ends hold.
+			const blob = new Uint8Array(64 << 20);
+			const err = await failure(() => c.putSnapshot("t", ROOT_ID, blob, "d"));
+			expect([err.status, err.code, err.retryable]).toEqual([
+				0,
+				"timeout",
+				true,
+			]);
+			expect(requests).toBe(2);
+		} finally {
+			await close(server);
+		}
 	});
 
 	it("a response whose body stops coming is a timeout too", async () => {
@@ -583,12 +705,8 @@ describe("time limits", () => {
 			res.writeHead(200, { "content-type": "application/json" });
 			res.write('{"task":'); // and nothing more
 		});
-		await new Promise<void>((resolve) =>
-			server.listen(0, "127.0.0.1", resolve),
-		);
-		const { port } = server.address() as AddressInfo;
 		const c = new TrellisClient({
-			url: `http://127.0.0.1:${port}`,
+			url: await listen(server),
 			key: "k",
 			timeoutMs: 200,
 			retries: 0,
@@ -597,8 +715,7 @@ describe("time limits", () => {
 			const err = await failure(() => c.stats("t"));
 			expect([err.status, err.code]).toEqual([0, "timeout"]);
 		} finally {
-			server.closeAllConnections();
-			await new Promise((resolve) => server.close(resolve));
+			await close(server);
 		}
 	});
 });

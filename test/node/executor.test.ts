@@ -7,12 +7,27 @@
 import { createHash } from "node:crypto";
 import { readdir } from "node:fs/promises";
 import path from "node:path";
-import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import {
+	afterAll,
+	afterEach,
+	beforeAll,
+	describe,
+	expect,
+	it,
+	vi,
+} from "vitest";
 import { startLocalStack, type LocalStack } from "../../bin/local-stack.ts";
 import {
 	CachedToolExecutor,
 	TrellisClient,
+	TrellisError,
 	type ExecutorOptions,
+	type Lease,
+	type RecordInput,
+	type RecordResponse,
+	type Sandbox,
+	type SandboxFactory,
+	type SnapshotRef,
 } from "../../client/index.ts";
 import { workspaceFactory } from "../../host/drivers/workspace.ts";
 import { cleanTmp, countLines, logLines, taskName, tmp } from "./helpers.ts";
@@ -45,7 +60,84 @@ async function world(label: string) {
 		open.push(e);
 		return e;
 	};
-	return { task, root, log, rollout };
+	return { task, root, log, sandboxes, rollout };
+}
+
+/** A promise with its resolver, for gates and signals between a test and a double. */
+function deferred<T = void>() {
+	let resolve!: (value: T) => void;
+	const promise = new Promise<T>((r) => (resolve = r));
+	return { promise, resolve };
+}
+
+type Faulty = "record" | "putSnapshot" | "releaseLease";
+
+/**
+ * The real client, except that a method armed with {@link fail} throws
+ * once, without sending anything, as if every retry had failed; and it
+ * tells about each lease renewal it sends.
+ */
+class TestFaultyClient extends TrellisClient {
+	readonly #armed = new Map<Faulty, TrellisError>();
+	/** Each renewal's `ttlMs` and the lease the server answered with. */
+	readonly renewals: { ttlMs: number | undefined; lease: Promise<Lease> }[] =
+		[];
+	onRenew: () => void = () => {};
+
+	/** Makes the next `method` call fail with a 503 whose code is `injected_<method>`. */
+	fail(method: Faulty): void {
+		this.#armed.set(
+			method,
+			new TrellisError({
+				status: 503,
+				code: `injected_${method}`,
+				message: `${method} failed (injected)`,
+			}),
+		);
+	}
+
+	#trip(method: Faulty): void {
+		const err = this.#armed.get(method);
+		this.#armed.delete(method);
+		if (err) throw err;
+	}
+
+	override async record(
+		task: string,
+		request: RecordInput,
+	): Promise<RecordResponse> {
+		this.#trip("record");
+		return super.record(task, request);
+	}
+
+	override async putSnapshot(
+		task: string,
+		state: string,
+		data: Uint8Array,
+		driver: string,
+	): Promise<SnapshotRef> {
+		this.#trip("putSnapshot");
+		return super.putSnapshot(task, state, data, driver);
+	}
+
+	override async releaseLease(
+		task: string,
+		id: string,
+	): Promise<{ id: string; released: true }> {
+		this.#trip("releaseLease");
+		return super.releaseLease(task, id);
+	}
+
+	override renewLease(task: string, id: string, ttlMs?: number) {
+		const lease = super.renewLease(task, id, ttlMs);
+		this.renewals.push({ ttlMs, lease });
+		this.onRenew();
+		return lease;
+	}
+}
+
+function faultyClient(): TestFaultyClient {
+	return new TestFaultyClient({ url: stack.url, key: stack.trainerKey });
 }
 
 /** A shell command that logs its name outside the sandbox, then runs `cmd`. */
@@ -263,5 +355,148 @@ describe("CachedToolExecutor", () => {
 		await a.close();
 		expect(await readdir(root)).toHaveLength(0);
 		expect(() => a.call("bash", { cmd: "ls" })).toThrow(/closed/);
+	});
+});
+
+describe("CachedToolExecutor when something fails", () => {
+	it.each(["record", "putSnapshot"] as const)(
+		"a state-changing call whose %s fails changes nothing: retried, it runs once on the right state",
+		async (method) => {
+			const { rollout } = await world(`fail-${method}`);
+			const faulty = faultyClient();
+			const a = rollout({ client: faulty, snapshotEvery: 1 });
+			faulty.fail(method);
+			await expect(
+				a.call("bash", { cmd: "echo x >> f" }, W),
+			).rejects.toMatchObject({ code: `injected_${method}` });
+			// The call failed, so the rollout is still where it was.
+			expect([a.depth, a.history.length]).toEqual([0, 0]);
+
+			const retried = await a.call("bash", { cmd: "echo x >> f" }, W);
+			expect(retried.status).toBe("miss");
+			expect((await a.call("bash", { cmd: "cat f" }, RO)).output).toBe("x\n");
+			await a.call("bash", { cmd: "echo y >> f" }, W);
+			expect((await a.call("bash", { cmd: "cat f" }, RO)).output).toBe(
+				"x\ny\n",
+			);
+			expect(a.depth).toBe(2);
+		},
+	);
+
+	it("queues fork() with the calls: a call made after it does not leak into the twin", async () => {
+		const { sandboxes, rollout } = await world("fork-queue");
+		const gate = deferred();
+		let forking = false;
+		const gated = (s: Sandbox): Sandbox => ({
+			driver: s.driver,
+			start: () => s.start(),
+			async exec(call) {
+				const out = await s.exec(call);
+				// A call that ran while the fork waits lets the fork go on: it
+				// then copies that call's effect.
+				if (forking) gate.resolve();
+				return out;
+			},
+			async fork() {
+				forking = true;
+				// With fork() queued, no call can run before it, so only this
+				// timer opens the gate; it is long enough for a call that is not
+				// queued behind the fork to run first.
+				const timer = setTimeout(() => gate.resolve(), 1000);
+				await gate.promise;
+				clearTimeout(timer);
+				return s.fork();
+			},
+			snapshot: () => s.snapshot(),
+			restore: (source) => s.restore(source),
+			stop: () => s.stop(),
+			mutates: (call) => s.mutates(call),
+		});
+		const factory: SandboxFactory = {
+			driver: sandboxes.driver,
+			start: async () => gated(await sandboxes.start()),
+			restore: async (source) => gated(await sandboxes.restore(source)),
+			mutates: (call) => sandboxes.mutates(call),
+		};
+		const a = rollout({ sandboxes: factory });
+		await a.call("bash", { cmd: "echo base > f" }, W);
+		const [b] = await Promise.all([
+			a.fork(),
+			a.call("bash", { cmd: "echo main >> f" }, W),
+		]);
+		open.push(b);
+		expect([a.depth, b.depth]).toEqual([2, 1]);
+		expect((await b.call("bash", { cmd: "cat f" }, RO)).output).toBe("base\n");
+		expect((await a.call("bash", { cmd: "cat f" }, RO)).output).toBe(
+			"base\nmain\n",
+		);
+	});
+
+	it("renews a lease it holds for its own leaseTtlMs, not the server's default", async () => {
+		const { sandboxes, rollout } = await world("renew");
+		await rollout({ snapshotEvery: 1 }).call("bash", { cmd: "echo a > f" }, W);
+
+		// A restore that waits until the test lets it go, holding the lease.
+		const restoring = deferred();
+		const gate = deferred();
+		const factory: SandboxFactory = {
+			...sandboxes,
+			driver: sandboxes.driver,
+			async restore(source) {
+				restoring.resolve();
+				await gate.promise;
+				return sandboxes.restore(source);
+			},
+		};
+		const faulty = faultyClient();
+		const renewed = deferred();
+		faulty.onRenew = () => renewed.resolve();
+		const b = rollout({
+			client: faulty,
+			sandboxes: factory,
+			leaseTtlMs: 600_000,
+		});
+		expect((await b.call("bash", { cmd: "echo a > f" }, W)).status).toBe("hit");
+		// Only the renewal timer is fake: the HTTP calls run for real.
+		vi.useFakeTimers({ toFake: ["setInterval", "clearInterval"] });
+		const pending = b.call("bash", { cmd: "cat f; echo b >> f" }, W);
+		try {
+			await restoring.promise;
+			vi.advanceTimersByTime(300_000); // half the lease's life: one renewal
+			await renewed.promise;
+			const [renewal] = faulty.renewals;
+			expect(renewal.ttlMs).toBe(600_000);
+			// The server extended the lease by 600 s, not by its default 60 s.
+			const lease = await renewal.lease;
+			expect(lease.expiresAt - Date.now()).toBeGreaterThan(500_000);
+		} finally {
+			gate.resolve();
+			await pending.catch(() => {});
+			vi.useRealTimers();
+		}
+		expect((await pending).output).toBe("a\n");
+		expect(b.counters).toMatchObject({ restores: 1, leases: 1 });
+	});
+
+	it("a lease release that fails neither fails a call that succeeded nor hides a call's own error", async () => {
+		const { rollout } = await world("release");
+		await rollout({ snapshotEvery: 1 }).call("bash", { cmd: "echo a > f" }, W);
+
+		const faulty = faultyClient();
+		const b = rollout({ client: faulty });
+		await b.call("bash", { cmd: "echo a > f" }, W);
+		faulty.fail("releaseLease");
+		const ok = await b.call("bash", { cmd: "cat f; echo b >> f" }, W);
+		expect([ok.status, ok.output]).toEqual(["miss", "a\n"]);
+		expect(b.counters).toMatchObject({ leases: 1, unreleasedLeases: 1 });
+
+		const c = rollout({ client: faulty });
+		await c.call("bash", { cmd: "echo a > f" }, W);
+		faulty.fail("record");
+		faulty.fail("releaseLease");
+		await expect(
+			c.call("bash", { cmd: "cat f; echo c >> f" }, W),
+		).rejects.toMatchObject({ code: "injected_record" });
+		expect(c.counters).toMatchObject({ leases: 1, unreleasedLeases: 1 });
 	});
 });
