@@ -34,7 +34,7 @@ import { fail, ok, type Result } from "../core/result.ts";
 import { HostDown, HostRefused, HostSet, type Host } from "./hosts.ts";
 import type * as schema from "./task-graph.schema.ts";
 import { costs, rollouts } from "./task-graph.schema.ts";
-import type { Scope, StoredHit } from "./task-graph.ts";
+import type { AttachResult, Scope, StoredHit } from "./task-graph.ts";
 
 /** What the runner needs of its task graph. */
 export interface GraphAccess {
@@ -66,7 +66,12 @@ export interface GraphAccess {
 		id: string,
 		d: { replayMs: number; costMs: number; snapshot: boolean },
 	): void;
-	attachSnapshot(id: string, ref: SnapshotRef): void;
+	/**
+	 * Points a state at a snapshot taken after its record; anything but
+	 * `attached` means the node is gone or has a snapshot already, and the
+	 * blob was left for the orphan sweep.
+	 */
+	attachSnapshot(id: string, ref: SnapshotRef): AttachResult;
 }
 
 export interface PathNode {
@@ -519,7 +524,10 @@ export class RolloutRunner {
 		);
 		this.#learn(template.driver, "snapshot", snap.snapshotMs);
 		const ref = { driver: snap.driver, key: snap.key, bytes: snap.bytes };
-		this.graph.attachSnapshot(id, ref);
+		// The upload awaited the host: the node may have been evicted, or have
+		// been given another snapshot, meanwhile. Then this blob is no node's,
+		// and nothing is warmed from it.
+		if (this.graph.attachSnapshot(id, ref) !== "attached") return;
 		if (this.options.warmForks > 0) {
 			// Proactive forking: the next rollouts that miss below this state
 			// take a ready copy instead of waiting for a restore.

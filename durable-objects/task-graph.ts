@@ -77,6 +77,9 @@ import {
 	toolStats,
 } from "./task-graph.schema.ts";
 
+/** What became of a snapshot managed mode took (see #attachManaged). */
+export type AttachResult = "attached" | "no_node" | "has_snapshot" | "deleted";
+
 /** What the index keeps of a node: enough to match prefixes and find snapshots. */
 interface IndexNode {
 	parent: string | null;
@@ -178,6 +181,12 @@ const NODE_HITS_WRITE_MS = 30_000;
  * task with hits on many nodes never blocks its lookups for long.
  */
 const NODE_HITS_WRITE_BATCH = 2048;
+/**
+ * Outputs above this many UTF-8 bytes go to R2 whatever the Worker's
+ * threshold: SQLite in a Durable Object refuses a row over 2 MB, and the
+ * row also holds the call's args.
+ */
+const ROW_INLINE_MAX_BYTES = 1024 * 1024;
 
 export class TaskGraph extends DurableObject<Env> {
 	#db: DrizzleSqliteDODatabase<typeof schema>;
@@ -200,6 +209,17 @@ export class TaskGraph extends DurableObject<Env> {
 	#nodeHitsWrittenAt = 0;
 	/** Nodes the current round of node-hit writes has still to write (see #flushCounts). */
 	#nodeHitsRoundLeft = 0;
+	/** Records under way (past their first check, not yet answered). */
+	#recording = 0;
+	/**
+	 * Output keys that records under way are writing, with how many: from
+	 * before their put until after their transaction. No deletion takes one.
+	 */
+	#blobWrites = new Map<string, number>();
+	/** Deletions sent to R2 and not yet answered, by key. */
+	#blobDeletes = new Map<string, Promise<unknown>>();
+	/** The budgets as last written to `meta` (JSON), to write only changes. */
+	#budgetsJson: string | null = null;
 
 	constructor(ctx: DurableObjectState, env: Env) {
 		super(ctx, env);
@@ -222,6 +242,9 @@ export class TaskGraph extends DurableObject<Env> {
 			await migrate(this.#db, migrations);
 			this.#rebuild();
 			this.#alarmAt = await ctx.storage.getAlarm();
+			// A record over budget arms an eviction in memory; a restart
+			// before the alarm ran must not forget it.
+			this.#checkBudgets();
 		});
 	}
 
@@ -344,109 +367,196 @@ export class TaskGraph extends DurableObject<Env> {
 		// Large outputs go to R2 first, content-addressed so that two records
 		// racing for one node cannot overwrite each other's blob. Awaiting R2
 		// lets other requests in, so everything below re-checks the index.
+		// While the run is in flight its keys are held: eviction and the
+		// sweeps leave a held key alone (see #blobInUse), and the task is not
+		// idle (see #idle).
 		const blobKeys = new Map<number, string>();
 		const encoder = new TextEncoder();
-		for (const [i, c] of input.calls.entries()) {
-			if (this.#index.has(c.id)) continue;
-			const bytes = encoder.encode(c.output);
-			if (bytes.byteLength <= input.inlineMaxBytes) continue;
-			const digest = createHash("sha256").update(bytes).digest("hex");
-			const key = `outputs/${scope.project}/${scope.task}/${digest}`;
-			try {
-				await this.env.BLOBS.put(key, bytes);
-			} catch (err) {
-				// Nothing is recorded without its output; blobs already written
-				// for this run are left to the orphan sweep (they may be shared).
-				console.error("R2 refused an output blob", key, err);
+		// A row holds at most 2 MB (the output, its args and the rest), so no
+		// output near that goes inline, whatever the Worker's threshold says.
+		const inlineMax = Math.min(input.inlineMaxBytes, ROW_INLINE_MAX_BYTES);
+		this.#recording++;
+		let outcome: Result<RecordResponse> | null = null;
+		try {
+			for (const [i, c] of input.calls.entries()) {
+				if (this.#index.has(c.id)) continue;
+				const bytes = encoder.encode(c.output);
+				if (bytes.byteLength <= inlineMax) continue;
+				const digest = createHash("sha256").update(bytes).digest("hex");
+				const key = `outputs/${scope.project}/${scope.task}/${digest}`;
+				if (!blobKeys.has(i)) this.#holdBlob(key);
+				blobKeys.set(i, key);
+				// A deletion of this key already sent must land before our put,
+				// not after it.
+				await this.#deletionOf(key);
+				try {
+					await this.env.BLOBS.put(key, bytes);
+				} catch (err) {
+					// Nothing is recorded without its output; blobs already written
+					// for this run are left to the orphan sweep (they may be shared).
+					console.error("R2 refused an output blob", key, err);
+					return fail(
+						503,
+						"storage_unavailable",
+						"blob storage refused a write; nothing was recorded, retry",
+					);
+				}
+			}
+			// Eviction (or an idle deletion) may have taken `from` while R2 was
+			// awaited: the same answer as if it had gone before the request.
+			if (!this.#holdsState(input.from)) {
 				return fail(
-					503,
-					"storage_unavailable",
-					"blob storage refused a write; nothing was recorded, retry",
+					409,
+					"unknown_state",
+					"`from` is no longer a state this task holds (evicted); look up again",
 				);
 			}
-			blobKeys.set(i, key);
+			outcome = this.#insertRun(scope, input, blobKeys);
+			return outcome;
+		} finally {
+			this.#recording--;
+			for (const key of blobKeys.values()) this.#releaseBlob(key);
+			// A blob whose node was recorded by a racing request in the meantime
+			// is not needed, unless another node has the same output (or another
+			// record is writing it). After a refusal the blobs stay for the
+			// orphan sweep: R2 may be what failed.
+			if (outcome?.ok) {
+				const results = outcome.value.results;
+				const unused = [...blobKeys]
+					.filter(([i]) => results[i].status !== "recorded")
+					.map(([, key]) => key);
+				// The record has committed: a failed delete leaves an orphan for
+				// the sweep, not an error for the recorder.
+				await this.#deleteBlobKeys(unused).catch((err: unknown) =>
+					console.error("R2 refused to delete unused output blobs", err),
+				);
+			}
 		}
+	}
 
-		// Only now, with every blob written, does the task come to exist.
+	/**
+	 * The synchronous half of a record: one transaction, and only once it has
+	 * committed, the index and usage it changed (a transaction that throws
+	 * leaves memory as it found it).
+	 */
+	#insertRun(
+		scope: Scope,
+		input: RecordInput,
+		blobKeys: Map<number, string>,
+	): Result<RecordResponse> {
 		this.#remember(scope);
 		const at = now();
+		const encoder = new TextEncoder();
 		const results: RecordResult[] = [];
 		let conflicts = 0;
 		let state = input.from;
-		this.ctx.storage.transactionSync(() => {
-			for (const [i, c] of input.calls.entries()) {
-				// A retried record may carry a snapshot ref whose blob was since
-				// evicted and deleted: never point a node at it.
-				const snap =
-					c.snapshot && !this.#deletedBlob(c.snapshot.key)
-						? c.snapshot
-						: undefined;
-				const parent = state;
-				const parentNode = this.#index.get(parent)!;
-				const existing = this.#index.get(c.id);
-				const toolDelta = { records: 1, conflicts: 0 };
-				if (existing) {
-					const same = this.#sameOutput(c.id, c.output, c.exitCode);
-					if (!same) {
-						conflicts++;
-						toolDelta.conflicts = 1;
+		// What the transaction adds, in the order it adds it; the index only
+		// learns it after the commit.
+		const added = new Map<string, IndexNode>();
+		const usage: Usage = {
+			snapshots: 0,
+			snapshotBytes: 0,
+			nodes: 0,
+			outputBytes: 0,
+		};
+		const attached: string[] = [];
+		const lookup = (id: string) => added.get(id) ?? this.#index.get(id);
+		try {
+			this.ctx.storage.transactionSync(() => {
+				for (const [i, c] of input.calls.entries()) {
+					// A retried record may carry a snapshot ref whose blob was since
+					// evicted and deleted: never point a node at it.
+					const snap =
+						c.snapshot && !this.#deletedBlob(c.snapshot.key)
+							? c.snapshot
+							: undefined;
+					const parent = state;
+					const parentNode = lookup(parent)!;
+					const existing = lookup(c.id);
+					// `records` counts nodes this record created, so a retried record
+					// adds nothing. A conflict is counted on every record that brings
+					// one: telling a retry from a new run with the same different
+					// output would need a table of the outputs seen (not kept).
+					const toolDelta = { records: existing ? 0 : 1, conflicts: 0 };
+					if (existing) {
+						const same = this.#sameOutput(c.id, c.output, c.exitCode);
+						if (!same) {
+							conflicts++;
+							toolDelta.conflicts = 1;
+						}
+						results.push({ id: c.id, status: same ? "exists" : "conflict" });
+						if (
+							snap &&
+							!existing.snapshot &&
+							existing.kind === "state" &&
+							!attached.includes(c.id)
+						) {
+							this.#writeSnapshot(c.id, snap);
+							attached.push(c.id);
+							usage.snapshots++;
+							usage.snapshotBytes += snap.bytes;
+						}
+					} else {
+						const key = blobKeys.get(i) ?? null;
+						const bytes = encoder.encode(c.output).byteLength;
+						const kind = c.mutates ? "state" : "result";
+						const depth = c.mutates ? parentNode.depth + 1 : parentNode.depth;
+						this.#q.insertNode.run({
+							id: c.id,
+							parentId: parent,
+							kind,
+							depth,
+							tool: c.tool,
+							args: JSON.stringify(c.args ?? null),
+							output: key === null ? c.output : null,
+							outputKey: key,
+							outputBytes: bytes,
+							exitCode: c.exitCode,
+							execMs: c.execMs,
+							snapshotDriver: snap?.driver ?? null,
+							snapshotKey: snap?.key ?? null,
+							snapshotBytes: snap?.bytes ?? null,
+							createdAt: at,
+						});
+						added.set(c.id, {
+							parent,
+							depth,
+							kind,
+							snapshot: snap !== undefined,
+						});
+						usage.nodes++;
+						usage.outputBytes += bytes;
+						if (snap) {
+							usage.snapshots++;
+							usage.snapshotBytes += snap.bytes;
+						}
+						results.push({ id: c.id, status: "recorded" });
 					}
-					results.push({ id: c.id, status: same ? "exists" : "conflict" });
-					if (snap && !existing.snapshot && existing.kind === "state") {
-						this.#attachSnapshot(c.id, snap);
-					}
-				} else {
-					const key = blobKeys.get(i) ?? null;
-					const bytes = encoder.encode(c.output).byteLength;
-					const kind = c.mutates ? "state" : "result";
-					const depth = c.mutates ? parentNode.depth + 1 : parentNode.depth;
-					this.#q.insertNode.run({
-						id: c.id,
-						parentId: parent,
-						kind,
-						depth,
-						tool: c.tool,
-						args: JSON.stringify(c.args ?? null),
-						output: key === null ? c.output : null,
-						outputKey: key,
-						outputBytes: bytes,
-						exitCode: c.exitCode,
-						execMs: c.execMs,
-						snapshotDriver: snap?.driver ?? null,
-						snapshotKey: snap?.key ?? null,
-						snapshotBytes: snap?.bytes ?? null,
-						createdAt: at,
-					});
-					this.#index.set(c.id, {
-						parent,
-						depth,
-						kind,
-						snapshot: snap !== undefined,
-					});
-					this.#usage.nodes++;
-					this.#usage.outputBytes += bytes;
-					if (snap) {
-						this.#usage.snapshots++;
-						this.#usage.snapshotBytes += snap.bytes;
-					}
-					results.push({ id: c.id, status: "recorded" });
+					this.#bumpTool(c.tool, toolDelta);
+					if (c.mutates) state = c.id;
 				}
-				this.#bumpTool(c.tool, toolDelta);
-				if (c.mutates) state = c.id;
+				// The cron's idle check must see this record even if the object
+				// restarts before its alarm writes the task index.
+				this.#writeLastUsed(at);
+			});
+		} catch (err) {
+			// A row past SQLite's limit (the args: the output went to R2). The
+			// transaction rolled back whole, and memory was not touched.
+			if (err instanceof Error && /too big|TOOBIG/i.test(err.message)) {
+				return fail(
+					413,
+					"too_large",
+					"a call's args are too large to store; nothing was recorded",
+				);
 			}
-		});
-
-		// A blob whose node was recorded by a racing request in the meantime
-		// is not needed, unless another node has the same output.
-		for (const [i, key] of blobKeys) {
-			if (results[i].status === "recorded") continue;
-			const used = this.#db
-				.select({ seq: nodes.seq })
-				.from(nodes)
-				.where(eq(nodes.outputKey, key))
-				.get();
-			if (!used) await this.env.BLOBS.delete(key);
+			throw err;
 		}
+		for (const [id, n] of added) this.#index.set(id, n);
+		for (const id of attached) this.#index.get(id)!.snapshot = true;
+		this.#usage.nodes += usage.nodes;
+		this.#usage.outputBytes += usage.outputBytes;
+		this.#usage.snapshots += usage.snapshots;
+		this.#usage.snapshotBytes += usage.snapshotBytes;
 		if (input.budgets) this.#setBudgets(input.budgets);
 		this.#checkBudgets();
 		this.#touch();
@@ -498,6 +608,7 @@ export class TaskGraph extends DurableObject<Env> {
 		if (!live.ok) return live;
 		const expiresAt = now() + ttlMs;
 		this.#db.update(leases).set({ expiresAt }).where(eq(leases.id, id)).run();
+		this.#writeLastUsed(now());
 		this.#armAlarm(expiresAt);
 		return ok({ id, state: live.value.nodeId, expiresAt });
 	}
@@ -744,24 +855,33 @@ export class TaskGraph extends DurableObject<Env> {
 	/**
 	 * The cron's per-task work: expire leases; delete the task if it has been
 	 * idle past the TTL with nothing holding it; else enforce its budgets and
-	 * delete blobs that no node points at. Safe to run twice at once (the
-	 * object serializes it; every step is idempotent).
+	 * delete blobs that no node points at. Safe to run twice at once: the
+	 * idle check and the deletion run as one step that no other request
+	 * interleaves with (a second sweep then finds nothing to delete), and
+	 * every other step is idempotent.
 	 */
 	async sweep(input: SweepInput): Promise<SweepResult> {
 		const at = now();
-		this.#setBudgets(input.budgets);
 		this.#expireLeases(at);
 		const evicted = { snapshots: 0, nodes: 0, orphans: 0, bytes: 0 };
 		const scope = this.#scopeOf();
 		if (scope === null) return { deleted: false, evicted };
-		const lastUsed = Number(
-			this.#db.select().from(meta).where(eq(meta.key, "last_used_at")).get()
-				?.value ?? this.#lastUsedAt,
-		);
-		const used = Math.max(lastUsed, this.#lastUsedAt);
-		if (at - used > input.idleTtlMs && this.#pinned(at, true).size === 0) {
-			evicted.bytes = await this.#deleteTask(scope);
-			return { deleted: true, evicted };
+		this.#setBudgets(input.budgets);
+		if (this.#idle(at, input.idleTtlMs)) {
+			// Deleting awaits R2 and D1. Inside blockConcurrencyWhile no other
+			// request is delivered until it is done, so none can record into
+			// (or lease from) the task between the decision and the deletion;
+			// one delivered before it and still under way (a record awaiting
+			// R2) keeps the task from being idle at all. Holding the gate
+			// across R2 is what the constructor must not do; here the task has
+			// been unused for the whole TTL, so nothing is kept waiting.
+			const bytes = await this.ctx.blockConcurrencyWhile(async () =>
+				this.#idle(now(), input.idleTtlMs) ? this.#deleteTask(scope) : null,
+			);
+			if (bytes !== null) {
+				evicted.bytes = bytes;
+				return { deleted: true, evicted };
+			}
 		}
 		Object.assign(evicted, await this.#enforce(input.budgets, at));
 		const orphans = await this.#sweepOrphans(scope, at - input.orphanGraceMs);
@@ -824,7 +944,7 @@ export class TaskGraph extends DurableObject<Env> {
 					.where(eq(nodes.id, id))
 					.run();
 			},
-			attachSnapshot: (id, ref) => this.#attachSnapshot(id, ref),
+			attachSnapshot: (id, ref) => this.#attachManaged(id, ref),
 		};
 	}
 
@@ -865,8 +985,20 @@ export class TaskGraph extends DurableObject<Env> {
 			.run();
 	}
 
+	/**
+	 * Keeps the budgets last given, in memory and in `meta`: after a restart
+	 * the alarm must still evict by the project's budgets, not the defaults.
+	 */
 	#setBudgets(b: Budgets): void {
 		this.#budgets = b;
+		const json = JSON.stringify(b);
+		if (json === this.#budgetsJson) return;
+		this.#budgetsJson = json;
+		this.#db
+			.insert(meta)
+			.values({ key: "budgets", value: json })
+			.onConflictDoUpdate({ target: meta.key, set: { value: json } })
+			.run();
 	}
 
 	/** The budgets last given (by a record or the cron), else the Worker's defaults. */
@@ -967,7 +1099,9 @@ export class TaskGraph extends DurableObject<Env> {
 	 * Evicts snapshots, then subtrees, least valuable first, until the task
 	 * is within its budgets. The rows go in one transaction; their blobs are
 	 * deleted after it, so no node ever points at a deleted blob (a crash in
-	 * between leaves orphans, which the sweep deletes).
+	 * between leaves orphans, which the sweep deletes). A blob goes only when
+	 * no remaining node points at it: two nodes of a task may share a
+	 * snapshot blob, and outputs are content-addressed.
 	 */
 	async #enforce(
 		budgets: Budgets,
@@ -993,6 +1127,7 @@ export class TaskGraph extends DurableObject<Env> {
 		let snapshotBytesFreed = 0;
 		let nodeBytesFreed = 0;
 		this.ctx.storage.transactionSync(() => {
+			const snapshotKeys = new Set<string>();
 			for (const ids of chunks(dropSnapshots, 200)) {
 				const rows = this.#db
 					.select({
@@ -1004,9 +1139,8 @@ export class TaskGraph extends DurableObject<Env> {
 					.where(inArray(nodes.id, ids))
 					.all();
 				for (const r of rows) {
-					if (r.key?.startsWith("snapshots/")) blobKeys.push(r.key);
+					if (r.key?.startsWith("snapshots/")) snapshotKeys.add(r.key);
 					snapshotBytesFreed += r.bytes ?? 0;
-					this.#index.get(r.id)!.snapshot = false;
 				}
 				this.#db
 					.update(nodes)
@@ -1030,14 +1164,27 @@ export class TaskGraph extends DurableObject<Env> {
 				for (const r of rows) {
 					if (r.outputKey) outputKeys.add(r.outputKey);
 					if (r.snapshotKey?.startsWith("snapshots/"))
-						blobKeys.push(r.snapshotKey);
+						snapshotKeys.add(r.snapshotKey);
 					nodeBytesFreed += r.outputBytes + (r.snapshotBytes ?? 0);
-					this.#index.delete(r.id);
 				}
 				this.#db.delete(nodes).where(inArray(nodes.id, ids)).run();
 				this.#db.delete(leases).where(inArray(leases.nodeId, ids)).run();
 			}
-			for (const key of blobKeys) this.#buryBlob(key, at);
+			// A snapshot blob another node still points at stays, and so does
+			// whatever lease covers that node. (snapshot_key has no index: one
+			// scan per 200 keys, on eviction only.)
+			for (const keys of chunks([...snapshotKeys], 200)) {
+				for (const r of this.#db
+					.select({ key: nodes.snapshotKey })
+					.from(nodes)
+					.where(inArray(nodes.snapshotKey, keys))
+					.all())
+					snapshotKeys.delete(r.key!);
+			}
+			for (const key of snapshotKeys) {
+				this.#buryBlob(key, at);
+				blobKeys.push(key);
+			}
 			// Outputs are content-addressed: keep a blob another node still uses.
 			for (const key of outputKeys) {
 				const used = this.#db
@@ -1056,9 +1203,16 @@ export class TaskGraph extends DurableObject<Env> {
 			if (dropNodes.length > 0)
 				this.#bumpEviction("node_budget", dropNodes.length, nodeBytesFreed);
 		});
+		// Committed: only now does memory follow.
+		for (const id of dropSnapshots) {
+			const n = this.#index.get(id);
+			if (n) n.snapshot = false;
+		}
+		for (const id of dropNodes) this.#index.delete(id);
 		this.#usage = this.#measureUsage();
-		for (const keys of chunks(blobKeys, 1000))
-			await this.env.BLOBS.delete(keys);
+		// Records run during these awaits: #deleteBlobKeys checks each batch
+		// again right before sending it.
+		await this.#deleteBlobKeys(blobKeys);
 		this.#touch();
 		return {
 			snapshots: dropSnapshots.length,
@@ -1072,15 +1226,9 @@ export class TaskGraph extends DurableObject<Env> {
 		scope: Scope,
 		before: number,
 	): Promise<{ count: number; bytes: number }> {
-		const freed = await this.#deleteBlobs(scope, (o, prefix) => {
+		const freed = await this.#deleteBlobs(scope, (o) => {
 			if (o.uploaded.getTime() >= before) return false;
-			const column = prefix === "outputs" ? nodes.outputKey : nodes.snapshotKey;
-			const used = this.#db
-				.select({ seq: nodes.seq })
-				.from(nodes)
-				.where(eq(column, o.key))
-				.get();
-			if (used) return false;
+			if (this.#blobInUse(o.key)) return false;
 			this.#buryBlob(o.key, before);
 			return true;
 		});
@@ -1090,11 +1238,12 @@ export class TaskGraph extends DurableObject<Env> {
 
 	/**
 	 * Pages through the task's two R2 prefixes and deletes the blobs `pick`
-	 * chooses (synchronously: it may read and write rows, but not await).
+	 * chooses (synchronously: it may read and write rows, but not await, so
+	 * that what it checks still holds when the deletion is sent).
 	 */
 	async #deleteBlobs(
 		scope: Scope,
-		pick: (o: R2Object, prefix: "outputs" | "snapshots") => boolean,
+		pick: (o: R2Object) => boolean,
 	): Promise<{ count: number; bytes: number }> {
 		let count = 0;
 		let bytes = 0;
@@ -1103,9 +1252,9 @@ export class TaskGraph extends DurableObject<Env> {
 			let cursor: string | undefined;
 			do {
 				const page = await this.env.BLOBS.list({ prefix, cursor, limit: 1000 });
-				const doomed = page.objects.filter((o) => pick(o, kind));
+				const doomed = page.objects.filter((o) => pick(o));
 				if (doomed.length > 0) {
-					await this.env.BLOBS.delete(doomed.map((o) => o.key));
+					await this.#sendDeletion(doomed.map((o) => o.key));
 					count += doomed.length;
 					bytes += doomed.reduce((n, o) => n + o.size, 0);
 				}
@@ -1115,30 +1264,141 @@ export class TaskGraph extends DurableObject<Env> {
 		return { count, bytes };
 	}
 
-	/** Deletes everything the task holds: its blobs, its rows, its index entry. */
+	/**
+	 * Deletes blobs that nothing used when the caller chose them, leaving an
+	 * output key a record has since started writing or a node has since come
+	 * to point at. Checked per batch right before the batch is sent: between
+	 * batches (awaits) records run. Snapshot keys are not checked again: the
+	 * caller buried them, and no node takes a buried key.
+	 */
+	async #deleteBlobKeys(keys: string[]): Promise<void> {
+		for (const batch of chunks([...new Set(keys)], 1000)) {
+			const doomed = batch.filter(
+				(k) => !k.startsWith("outputs/") || !this.#blobInUse(k),
+			);
+			if (doomed.length > 0) await this.#sendDeletion(doomed);
+		}
+	}
+
+	/**
+	 * Whether a blob is in use: a record under way is writing it, or a node
+	 * points at it. Outputs are content-addressed, so a key no node uses
+	 * now can be wanted again by the next record; snapshot keys are unique
+	 * per upload, and an evicted one is buried before its deletion, so no
+	 * node can come to point at it afterwards.
+	 */
+	#blobInUse(key: string): boolean {
+		if (this.#blobWrites.has(key)) return true;
+		const column = key.startsWith("outputs/")
+			? nodes.outputKey
+			: nodes.snapshotKey;
+		return (
+			this.#db
+				.select({ seq: nodes.seq })
+				.from(nodes)
+				.where(eq(column, key))
+				.get() !== undefined
+		);
+	}
+
+	/**
+	 * Sends one R2 deletion, remembered until it is answered: a record about
+	 * to put one of its keys waits for it (see #deletionOf), so the put can
+	 * never land first and be deleted.
+	 */
+	async #sendDeletion(keys: string[]): Promise<void> {
+		const sent = this.env.BLOBS.delete(keys);
+		for (const k of keys) this.#blobDeletes.set(k, sent);
+		try {
+			await sent;
+		} finally {
+			for (const k of keys)
+				if (this.#blobDeletes.get(k) === sent) this.#blobDeletes.delete(k);
+		}
+	}
+
+	/** Resolves once no deletion of `key` is in flight. */
+	async #deletionOf(key: string): Promise<void> {
+		for (let d = this.#blobDeletes.get(key); d; d = this.#blobDeletes.get(key))
+			await d.catch(() => undefined);
+	}
+
+	#holdBlob(key: string): void {
+		this.#blobWrites.set(key, (this.#blobWrites.get(key) ?? 0) + 1);
+	}
+
+	#releaseBlob(key: string): void {
+		const n = (this.#blobWrites.get(key) ?? 1) - 1;
+		if (n > 0) this.#blobWrites.set(key, n);
+		else this.#blobWrites.delete(key);
+	}
+
+	/**
+	 * Unused for longer than `ttlMs`, with nothing holding it: no live lease,
+	 * no open rollout, no record under way.
+	 */
+	#idle(at: number, ttlMs: number): boolean {
+		return (
+			at - this.#lastUsed() > ttlMs &&
+			this.#recording === 0 &&
+			this.#pinned(at, true).size === 0
+		);
+	}
+
+	/** When the task was last used: in memory, else as last written, else its creation. */
+	#lastUsed(): number {
+		const m = Object.fromEntries(
+			this.#db
+				.select()
+				.from(meta)
+				.where(inArray(meta.key, ["last_used_at", "created_at"]))
+				.all()
+				.map((r) => [r.key, Number(r.value)]),
+		);
+		return Math.max(this.#lastUsedAt, m.last_used_at ?? 0, m.created_at ?? 0);
+	}
+
+	/**
+	 * Deletes everything the task holds: its rows, its blobs, its index
+	 * entry. The caller holds the object's gate (see sweep). The rows go
+	 * first, so that an object reset part way (blockConcurrencyWhile gives
+	 * up after 30 s) never leaves a node pointing at a deleted blob: `meta`
+	 * stays until the blobs are gone, so the task is still indexed, still
+	 * idle, and the next sweep finishes the work (or, if it was used since,
+	 * sweeps the blobs left as orphans).
+	 */
 	async #deleteTask(scope: Scope): Promise<number> {
-		const { bytes } = await this.#deleteBlobs(scope, () => true);
 		this.ctx.storage.transactionSync(() => {
 			for (const table of [
 				nodes,
 				leases,
 				toolStats,
-				meta,
 				rolloutRows,
 				evictions,
 				deletedBlobs,
 			]) {
 				this.#db.delete(table).run();
 			}
+			this.#db.delete(meta).where(eq(meta.key, "budgets")).run();
 		});
+		this.#pendingHits = [];
+		this.#pendingMisses = new Map();
+		this.#unwrittenNodeHits.clear();
+		this.#nodeHitsRoundLeft = 0;
+		this.#budgets = null;
+		this.#budgetsJson = null;
+		this.#enforceDue = false;
+		this.#rebuild();
+		const { bytes } = await this.#deleteBlobs(scope, () => true);
 		await this.env.DB.prepare(
 			"delete from tasks where project_id = ?1 and task = ?2",
 		)
 			.bind(scope.project, scope.task)
 			.run();
+		this.#db.delete(meta).run();
 		this.#scope = null;
+		this.#lastUsedAt = 0;
 		this.#indexDirty = false;
-		this.#rebuild();
 		return bytes;
 	}
 
@@ -1251,6 +1511,17 @@ export class TaskGraph extends DurableObject<Env> {
 			});
 		}
 		this.#usage = this.#measureUsage();
+		const saved = this.#db
+			.select()
+			.from(meta)
+			.where(inArray(meta.key, ["budgets", "last_used_at"]))
+			.all();
+		for (const r of saved) {
+			if (r.key === "budgets") {
+				this.#budgets = JSON.parse(r.value) as Budgets;
+				this.#budgetsJson = r.value;
+			} else this.#lastUsedAt = Math.max(this.#lastUsedAt, Number(r.value));
+		}
 	}
 
 	/** The held state-changing calls strictly below `from`, down to `to`. */
@@ -1298,9 +1569,8 @@ export class TaskGraph extends DurableObject<Env> {
 		return r.output === output;
 	}
 
-	#attachSnapshot(id: string, ref: SnapshotRef): void {
-		this.#usage.snapshots++;
-		this.#usage.snapshotBytes += ref.bytes;
+	/** Points a node at a snapshot blob: the row only (callers update memory once committed). */
+	#writeSnapshot(id: string, ref: SnapshotRef): void {
 		this.#db
 			.update(nodes)
 			.set({
@@ -1310,7 +1580,42 @@ export class TaskGraph extends DurableObject<Env> {
 			})
 			.where(eq(nodes.id, id))
 			.run();
-		this.#index.get(id)!.snapshot = true;
+	}
+
+	/**
+	 * Managed mode's snapshot of a state it executed, taken after the record
+	 * (the host's upload awaits, and other requests run meanwhile). The node
+	 * may have been evicted since, or given a snapshot by another record:
+	 * then nothing changes (the first snapshot stands, so a lease on it
+	 * still names its blob) and the new blob, which nothing points at, is
+	 * left to the orphan sweep.
+	 */
+	#attachManaged(id: string, ref: SnapshotRef): AttachResult {
+		const n = this.#index.get(id);
+		if (n === undefined || n.kind !== "state") return "no_node";
+		if (n.snapshot) return "has_snapshot";
+		if (this.#deletedBlob(ref.key)) return "deleted";
+		const at = now();
+		this.ctx.storage.transactionSync(() => {
+			this.#writeSnapshot(id, ref);
+			this.#writeLastUsed(at);
+		});
+		n.snapshot = true;
+		this.#usage.snapshots++;
+		this.#usage.snapshotBytes += ref.bytes;
+		this.#checkBudgets();
+		return "attached";
+	}
+
+	/** The cron's idle check reads this after a restart has lost #lastUsedAt. */
+	#writeLastUsed(at: number): void {
+		this.#lastUsedAt = Math.max(this.#lastUsedAt, at);
+		const value = String(this.#lastUsedAt);
+		this.#db
+			.insert(meta)
+			.values({ key: "last_used_at", value })
+			.onConflictDoUpdate({ target: meta.key, set: { value } })
+			.run();
 	}
 
 	/**
@@ -1435,6 +1740,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const id = crypto.randomUUID();
 		const expiresAt = at + ttlMs;
 		this.#db.insert(leases).values({ id, nodeId: state, expiresAt }).run();
+		this.#writeLastUsed(at);
 		this.#armAlarm(expiresAt);
 		return { id, state, expiresAt };
 	}

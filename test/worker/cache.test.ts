@@ -178,6 +178,8 @@ describe("lookup and record", () => {
 			key: "snapshots/cache/snap/x",
 			bytes: 42,
 		};
+		// A record's ref must name a blob of the task that R2 holds.
+		await env.BLOBS.put(snap.key, "x".repeat(snap.bytes));
 		await t.record({
 			from: ROOT_ID,
 			calls: [run(M1, "a"), { ...run(M2, "b"), snapshot: snap }, run(M3, "c")],
@@ -212,12 +214,16 @@ describe("lookup and record", () => {
 		const body = { from: ROOT_ID, calls: [run(M1, "a"), run(R1, "r")] };
 		await t.record(body);
 		const graph1 = (await t.graph()).body;
+		const stats1 = (await t.stats()).body;
+		expect(stats1.tools.bash.records).toBe(2);
 		const again = await t.record(body);
 		expect(again.body.results.map((r: { status: string }) => r.status)).toEqual(
 			["exists", "exists"],
 		);
 		expect(again.body.conflicts).toBe(0);
 		expect((await t.graph()).body.nodes).toEqual(graph1.nodes);
+		// Not in the counters either: `records` counts nodes recorded.
+		expect((await t.stats()).body).toEqual(stats1);
 	});
 
 	it("keeps the first output when a later record differs, reports it, and flags the tool", async () => {
