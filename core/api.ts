@@ -36,21 +36,31 @@ function depthWithin(value: unknown, max: number): boolean {
 	return true;
 }
 
-/** JCS hashes UTF-8; a lone surrogate has no UTF-8 form, so it is refused. */
-function wellFormed(value: unknown): boolean {
+/**
+ * What keeps a JSON value from having one canonical form, or null. JCS
+ * hashes UTF-8, and a lone surrogate has no UTF-8 form; JSON has no
+ * Infinity, yet `JSON.parse` reads an out-of-range number such as 1e400 as
+ * one, which nothing can serialize or hash.
+ */
+function notCanonical(value: unknown): string | null {
 	const stack: unknown[] = [value];
 	while (stack.length > 0) {
 		const v = stack.pop();
 		if (typeof v === "string") {
-			if (!v.isWellFormed()) return false;
+			if (!v.isWellFormed())
+				return "args hold a string that is not valid Unicode";
+		} else if (typeof v === "number") {
+			if (!Number.isFinite(v))
+				return "args hold a number out of range (JSON numbers must be finite)";
 		} else if (v !== null && typeof v === "object") {
 			for (const [k, child] of Object.entries(v)) {
-				if (!k.isWellFormed()) return false;
+				if (!k.isWellFormed())
+					return "args hold a string that is not valid Unicode";
 				stack.push(child);
 			}
 		}
 	}
-	return true;
+	return null;
 }
 
 export const Id = z
@@ -91,19 +101,27 @@ export const Call = z.object({
 			message: `args nest deeper than ${LIMITS.maxArgsDepth} levels`,
 			abort: true,
 		})
-		.refine(wellFormed, {
-			message: "args hold a string that is not valid Unicode",
+		.superRefine((a, ctx) => {
+			const problem = notCanonical(a);
+			if (problem !== null) ctx.addIssue({ code: "custom", message: problem });
 		})
 		.optional(),
 	mutates: z.boolean().optional(),
 });
 export type Call = z.infer<typeof Call>;
 
+/**
+ * A call as a lookup sends it: with no field beyond the three, so a typo
+ * such as `"mutate": false` is refused instead of silently leaving the call
+ * state-changing. (Records and rollout calls extend `Call` strictly too.)
+ */
+const LookupCall = Call.strict();
+
 export const LookupRequest = z
 	.object({
-		call: Call,
+		call: LookupCall,
 		/** Every call the rollout made before `call`, in order. */
-		history: z.array(Call).max(LIMITS.maxCalls).optional(),
+		history: z.array(LookupCall).max(LIMITS.maxCalls).optional(),
 		/** Instead of the history: a state id the rollout already holds. */
 		cursor: Id.optional(),
 		/** Take a lease on the snapshot a miss returns (default true). */

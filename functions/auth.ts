@@ -12,8 +12,17 @@
  * at most KEY_CACHE_MS more. That bound is a deliberate trade: making
  * revocation exact everywhere needs a shared read on every request, which is
  * the cost the edge cache exists to avoid. A rotated key's grace end
- * (`expires_at`) is exact in every isolate: it is known when the key is
- * cached, and a cache entry never outlives it.
+ * (`expires_at`) is exact in an isolate that first reads the key after the
+ * rotation: the end is known when it caches the key, and the entry never
+ * outlives it. An isolate that cached the key before the rotation does not
+ * know the end, and may accept the key for up to KEY_CACHE_MS past it, as
+ * for a revocation.
+ *
+ * Tokens are checked for their form before anything is remembered: only
+ * the root key and well-formed API keys (`trk_` + 64 hex digits) are kept
+ * in this isolate's memory or looked up in D1. Anything else, or anything
+ * longer than MAX_TOKEN_CHARS, is a 401 at once; a request without a valid
+ * key is not rate limited (functions/limits.ts), so it must cost little.
  */
 import { createHash, timingSafeEqual } from "node:crypto";
 import type { Context } from "hono";
@@ -47,41 +56,58 @@ export function forgetKey(hash: string): void {
 	keyCache.delete(hash);
 }
 
+/** What {@link newKey} makes: the only API keys D1 can hold. */
+const KEY_FORM = /^trk_[0-9a-f]{64}$/;
 /**
- * The hash of each key this isolate has seen, and whether it is the root
- * key: a known key costs a map lookup instead of a hash on every request.
- * Filled under one root secret; a different secret starts it afresh.
+ * Longer tokens are refused unread (unless the root secret is longer). Far
+ * above a key's 68 characters and any sensible root secret.
+ */
+export const MAX_TOKEN_CHARS = 512;
+
+/**
+ * The hash of each well-formed token this isolate has seen, and whether it
+ * is the root key: a known key costs a map lookup instead of a hash on every
+ * request. Filled under one root secret; a different secret starts it
+ * afresh. Holds at most 10,000 tokens of at most MAX_TOKEN_CHARS.
  */
 const seen = new Map<string, { hash: string; root: boolean }>();
 let seenUnder: string | undefined;
+let rootHash: Buffer | null = null;
 
+/** How many tokens this isolate remembers (for tests). */
+export function rememberedTokens(): number {
+	return seen.size;
+}
+
+/** A token's hash and whether it is the root key; null if it cannot be a key. */
 function identify(
 	key: string,
 	secret: string | undefined,
-): { hash: string; root: boolean } {
+): { hash: string; root: boolean } | null {
 	if (secret !== seenUnder) {
 		seen.clear();
 		seenUnder = secret;
+		rootHash =
+			secret === undefined || secret === ""
+				? null
+				: Buffer.from(hashKey(secret), "hex");
 	}
-	let known = seen.get(key);
-	if (!known) {
-		const hash = hashKey(key);
-		const root =
-			secret !== undefined &&
-			secret !== "" &&
-			timingSafeEqual(
-				Buffer.from(hash, "hex"),
-				Buffer.from(hashKey(secret), "hex"),
-			);
-		known = { hash, root };
-		if (seen.size >= 10_000) seen.clear();
-		seen.set(key, known);
-	}
-	return known;
+	const known = seen.get(key);
+	if (known) return known;
+	if (key.length > Math.max(MAX_TOKEN_CHARS, secret?.length ?? 0)) return null;
+	const hash = hashKey(key);
+	const root =
+		rootHash !== null && timingSafeEqual(Buffer.from(hash, "hex"), rootHash);
+	if (!root && !KEY_FORM.test(key)) return null;
+	if (seen.size >= 10_000) seen.clear();
+	seen.set(key, { hash, root });
+	return { hash, root };
 }
 
 async function resolve(env: Env, key: string): Promise<Principal | null> {
-	const { hash, root } = identify(key, env.TRELLIS_ADMIN_KEY);
+	const id = identify(key, env.TRELLIS_ADMIN_KEY);
+	if (id === null) return null;
+	const { hash, root } = id;
 	if (root) return { kind: "root" };
 	const t = now();
 	const cached = keyCache.get(hash);
@@ -120,7 +146,7 @@ export const authenticate = createMiddleware<AppEnv>(async (c, next) => {
 	}
 	const principal = await resolve(c.env, m[1]);
 	if (!principal) {
-		throw apiError(401, "unauthorized", "unknown or revoked key", {
+		throw apiError(401, "unauthorized", "unknown, revoked or malformed key", {
 			"WWW-Authenticate": 'Bearer realm="trellis", error="invalid_token"',
 		});
 	}

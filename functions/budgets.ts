@@ -66,8 +66,9 @@ const usageCache = new Map<
 const USAGE_CACHE_MS = 10_000;
 
 /**
- * Refuses a record that would take a project past its quotas: a new task
- * past the task quota, or anything once the project's bytes are spent.
+ * Refuses a record or an upload that would take a project past its quotas:
+ * a new task past the task quota; anything once the project's bytes are
+ * spent, or, for an upload of `adding` bytes, a blob that would spend them.
  * Reads the task index, which lags the task graphs by a few seconds: one
  * aggregate row per project every USAGE_CACHE_MS, and whether this task is
  * indexed only when the task quota is reached (once per task in that time).
@@ -77,6 +78,7 @@ export async function quotaError(
 	project: string,
 	task: string,
 	budgets: Budgets,
+	adding = 0,
 ): Promise<string | null> {
 	let u = usageCache.get(project);
 	if (!u || now() - u.at > USAGE_CACHE_MS) {
@@ -96,6 +98,9 @@ export async function quotaError(
 	}
 	if (u.bytes >= budgets.projectBytes) {
 		return `the project holds ${u.bytes} bytes, its quota is ${budgets.projectBytes}`;
+	}
+	if (u.bytes + adding > budgets.projectBytes) {
+		return `the project holds ${u.bytes} bytes; ${adding} more would pass its quota of ${budgets.projectBytes}`;
 	}
 	if (u.tasks >= budgets.tasks && !u.indexed.has(task)) {
 		// At the quota every record asks; a task found indexed is remembered

@@ -8,19 +8,102 @@
  * deleting a state's old blob could, after its transaction, delete a new
  * blob uploaded and recorded for the same state meanwhile: a node (and a
  * lease) would point at nothing. The soak benchmark caught exactly that.
+ *
+ * A ref in a record is checked here before the task graph sees it (see
+ * {@link checkSnapshots}): the task graph serves a node's key on download
+ * and deletes it on eviction, so a key of another task or project, or of
+ * an output, would let a client read or delete a blob that is not its own.
  */
 import { Hono } from "hono";
 import { Id, LIMITS, type SnapshotRef } from "../core/api.ts";
+import type { Scope } from "../durable-objects/task-graph.ts";
 import type { AppEnv } from "./app.ts";
 import { allow, graph, taskScope } from "./auth.ts";
+import { budgetsFor, quotaError } from "./budgets.ts";
 import { apiError } from "./errors.ts";
 
 export const snapshots = new Hono<AppEnv>();
 
 const blobs = allow(["trainer", "host", "admin"]);
 
+/** Where every snapshot blob of a task is: the only keys its records may name. */
+function taskPrefix({ project, task }: Scope): string {
+	return `snapshots/${project}/${task}/`;
+}
+
 function blobPrefix(project: string, task: string, state: string): string {
-	return `snapshots/${project}/${task}/${state}/`;
+	return `${taskPrefix({ project, task })}${state}/`;
+}
+
+/**
+ * The snapshot refs of a record's calls, checked against R2, with the sizes
+ * R2 gives (a client's `bytes` would feed the budgets whatever it claims).
+ * A key outside `snapshots/{project}/{task}/` is 400 `invalid_snapshot`, as
+ * is a key named twice or a driver that is not the blob's; a key with no
+ * blob (never uploaded, or swept) is 409 `snapshot_missing`: the request is
+ * well-formed, the store does not hold what it names, and a new upload
+ * fixes it. Nothing is written either way.
+ */
+export async function checkSnapshots(
+	env: Env,
+	scope: Scope,
+	snapshots: (SnapshotRef | undefined)[],
+): Promise<(SnapshotRef | undefined)[]> {
+	const prefix = taskPrefix(scope);
+	const named = new Set<string>();
+	for (const [i, ref] of snapshots.entries()) {
+		if (ref === undefined) continue;
+		if (!ref.key.startsWith(prefix) || ref.key.length === prefix.length) {
+			throw apiError(
+				400,
+				"invalid_snapshot",
+				`calls.${i}.snapshot.key: must be a key the snapshot upload route gave for this task (under ${prefix})`,
+			);
+		}
+		if (named.has(ref.key)) {
+			throw apiError(
+				400,
+				"invalid_snapshot",
+				`calls.${i}.snapshot.key: the same blob is given for two calls`,
+			);
+		}
+		named.add(ref.key);
+	}
+	if (named.size === 0) return snapshots;
+	let heads: (R2Object | null | undefined)[];
+	try {
+		heads = await Promise.all(
+			snapshots.map((ref) => (ref ? env.BLOBS.head(ref.key) : undefined)),
+		);
+	} catch (err) {
+		console.error("R2 refused to head snapshot blobs", err);
+		throw apiError(
+			503,
+			"storage_unavailable",
+			"blob storage did not answer; nothing was recorded, retry",
+			{ "Retry-After": "1" },
+		);
+	}
+	return snapshots.map((ref, i) => {
+		if (ref === undefined) return undefined;
+		const head = heads[i];
+		if (!head) {
+			throw apiError(
+				409,
+				"snapshot_missing",
+				`calls.${i}.snapshot.key: no such blob (never uploaded, or swept); upload the snapshot again`,
+			);
+		}
+		const driver = head.customMetadata?.driver;
+		if (driver !== undefined && driver !== ref.driver) {
+			throw apiError(
+				400,
+				"invalid_snapshot",
+				`calls.${i}.snapshot.driver: the blob was uploaded for driver ${driver}`,
+			);
+		}
+		return { driver: ref.driver, key: ref.key, bytes: head.size };
+	});
 }
 
 function stateParam(raw: string): string {
@@ -61,8 +144,20 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	}
 	// A blob for a state the task does not hold yet is allowed: hosts upload
 	// right after executing, before they record. The cron sweeps blobs no node
-	// points at.
-	const { project, task } = c.get("scope");
+	// points at, after a grace period, in the tasks of the task index.
+	const scope = c.get("scope");
+	const { project, task } = scope;
+	// The project's quotas, as for a record: a new task past the task quota,
+	// or a blob that would take the project past its bytes. (Usage counts
+	// blobs once recorded; one not yet recorded lives at most the grace.)
+	const refused = await quotaError(
+		c.env,
+		project,
+		task,
+		await budgetsFor(c.env, project),
+		length,
+	);
+	if (refused) throw apiError(403, "quota_exceeded", refused);
 	const key = blobPrefix(project, task, state) + crypto.randomUUID();
 	const body =
 		c.req.raw.body ?? new ReadableStream({ start: (ctl) => ctl.close() });
@@ -109,8 +204,20 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 			{ "Retry-After": "1" },
 		);
 	}
-	const obj = put.value;
-	const ref: SnapshotRef = { driver, key, bytes: obj.size };
+	// The task graph learns its task (it indexes itself in D1 with its next
+	// alarm, as after any change), so that the cron visits the task and
+	// sweeps the blob if no record ever points a node at it (invariant 4). A
+	// task that only ever uploads is otherwise never in the index. If the
+	// graph cannot be told, the blob is taken back: nothing would sweep it.
+	try {
+		await graph(c).countHits(scope, []);
+	} catch (err) {
+		await c.env.BLOBS.delete(key).catch((e: unknown) =>
+			console.error("could not delete an unindexed snapshot blob", key, e),
+		);
+		throw err;
+	}
+	const ref: SnapshotRef = { driver, key, bytes: put.value.size };
 	return c.json(ref, 201);
 });
 

@@ -42,6 +42,7 @@ import {
 	takePending,
 } from "./edge-cache.ts";
 import { budgetsFor, quotaError } from "./budgets.ts";
+import { checkSnapshots } from "./snapshots.ts";
 import { apiError, unwrap } from "./errors.ts";
 import { jsonBody, jsonText, parseJson, valid } from "./validate.ts";
 
@@ -263,6 +264,11 @@ tasks.post(
 			}
 		}
 		const scope = c.get("scope");
+		const snapshots = await checkSnapshots(
+			c.env,
+			scope,
+			req.calls.map((call) => call.snapshot),
+		);
 		const budgets = await budgetsFor(c.env, scope.project);
 		const refused = await quotaError(c.env, scope.project, scope.task, budgets);
 		if (refused) throw apiError(403, "quota_exceeded", refused);
@@ -277,7 +283,7 @@ tasks.post(
 				output: call.output,
 				exitCode: call.exitCode,
 				execMs: call.execMs,
-				snapshot: call.snapshot,
+				snapshot: snapshots[i],
 			})),
 			inlineMaxBytes: Number(c.env.OUTPUT_INLINE_MAX_BYTES),
 			budgets,

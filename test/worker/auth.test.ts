@@ -1,4 +1,6 @@
+import { env } from "cloudflare:workers";
 import { beforeAll, describe, expect, it } from "vitest";
+import { rememberedTokens } from "../../functions/auth.ts";
 import {
 	ROOT_ID,
 	ROOT_KEY,
@@ -33,6 +35,62 @@ describe("authentication", () => {
 		const wrong = await api("GET", path, { key: "trk_" + "0".repeat(64) });
 		expectError(wrong, 401, "unauthorized");
 		expect(wrong.headers.get("www-authenticate")).toMatch(/Bearer/);
+	});
+
+	// A review found the Worker remembering every bearer string it saw, of
+	// any length, before checking it: unauthenticated requests with large
+	// random tokens could fill an isolate's memory.
+	it("refuses malformed and overlong tokens with 401 before asking D1, and remembers none of them", async () => {
+		let asked = 0;
+		const counted: Env = {
+			...env,
+			DB: new Proxy(env.DB, {
+				get(target, prop) {
+					const v = Reflect.get(target, prop);
+					if (typeof v !== "function") return v;
+					return (...args: unknown[]) => {
+						asked++;
+						return v.apply(target, args);
+					};
+				},
+			}),
+		};
+		const random = (n: number) => {
+			const b = new Uint8Array(Math.ceil(n / 2));
+			crypto.getRandomValues(b);
+			return Buffer.from(b).toString("hex").slice(0, n);
+		};
+		const before = rememberedTokens();
+		const tokens = [
+			random(32 << 10),
+			"trk_" + random(32 << 10),
+			"trk_" + random(63),
+			"trk_" +
+				random(64)
+					.toUpperCase()
+					.replace(/^[0-9]/, "A"),
+			"sk-" + random(40),
+			ROOT_KEY + "x",
+		];
+		for (const token of tokens) {
+			const r = await api("GET", "/v1/tasks", { key: token, env: counted });
+			expectError(r, 401, "unauthorized");
+			expect(r.headers.get("www-authenticate")).toMatch(/invalid_token/);
+		}
+		expect(asked).toBe(0);
+		expect(rememberedTokens()).toBe(before);
+		// Well-formed keys still go through: a real one, and the root key.
+		expect(
+			(await api("GET", "/v1/tasks", { key: a.trainer, env: counted })).status,
+		).toBe(200);
+		expect(
+			(
+				await api("GET", "/v1/keys?project=alpha", {
+					key: ROOT_KEY,
+					env: counted,
+				})
+			).status,
+		).toBe(200);
 	});
 
 	it("answers the deep health probe for any key, and only with one", async () => {

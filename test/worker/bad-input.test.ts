@@ -170,6 +170,60 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 		400,
 		"invalid_request",
 	],
+	// JSON.parse reads 1e400 as Infinity, which has no JSON form to hash.
+	[
+		"a number out of range in a lookup's args",
+		() => raw(`${T}/lookup`, '{"history":[],"call":{"tool":"t","args":1e400}}'),
+		400,
+		"invalid_request",
+	],
+	[
+		"a number out of range deep in a history call's args",
+		() =>
+			raw(
+				`${T}/lookup`,
+				'{"history":[{"tool":"t","args":{"a":[1,-1e400]}}],"call":{"tool":"t"}}',
+			),
+		400,
+		"invalid_request",
+	],
+	[
+		"a number out of range in a record's args",
+		() =>
+			raw(
+				`${T}/record`,
+				`{"from":"${ROOT_ID}","calls":[{"tool":"t","args":{"n":1e400},"output":"o","execMs":1}]}`,
+			),
+		400,
+		"invalid_request",
+	],
+	[
+		"a number out of range in a rollout call's args",
+		() => raw(`${T}/rollouts/nope/calls`, '{"tool":"t","args":[1e999]}'),
+		400,
+		"invalid_request",
+	],
+	// A typo must not turn a read into a state-changing call.
+	[
+		"an unknown field in a lookup's call",
+		() =>
+			api("POST", `${T}/lookup`, {
+				key,
+				json: { history: [], call: { tool: "cat", mutate: false } },
+			}),
+		400,
+		"invalid_request",
+	],
+	[
+		"an unknown field in a history call",
+		() =>
+			api("POST", `${T}/lookup`, {
+				key,
+				json: { history: [{ tool: "cat", mutate: false }], call },
+			}),
+		400,
+		"invalid_request",
+	],
 	[
 		"an unknown field",
 		() =>
@@ -280,6 +334,72 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 			}),
 		400,
 		"invalid_request",
+	],
+	[
+		"a snapshot ref to another project's blob",
+		() =>
+			api("POST", `${T}/record`, {
+				key,
+				json: {
+					from: ROOT_ID,
+					calls: [
+						{
+							...run(call, "o"),
+							snapshot: {
+								driver: "workspace",
+								key: "snapshots/other/untouched/x",
+								bytes: 1,
+							},
+						},
+					],
+				},
+			}),
+		400,
+		"invalid_snapshot",
+	],
+	[
+		"a snapshot ref to an output blob",
+		() =>
+			api("POST", `${T}/record`, {
+				key,
+				json: {
+					from: ROOT_ID,
+					calls: [
+						{
+							...run(call, "o"),
+							snapshot: {
+								driver: "workspace",
+								key: "outputs/bad/untouched/x",
+								bytes: 1,
+							},
+						},
+					],
+				},
+			}),
+		400,
+		"invalid_snapshot",
+	],
+	[
+		"a snapshot ref to a blob that was never uploaded",
+		() =>
+			api("POST", `${T}/record`, {
+				key,
+				json: {
+					from: ROOT_ID,
+					calls: [
+						{
+							...run(call, "o"),
+							snapshot: {
+								driver: "workspace",
+								key: `snapshots/bad/untouched/${ROOT_ID}/never`,
+								bytes: 1,
+							},
+						},
+					],
+				},
+			}),
+		409,
+		"snapshot_missing",
 	],
 	[
 		"a record from an unknown state",

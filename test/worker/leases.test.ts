@@ -27,6 +27,8 @@ async function snapshotted(task: string) {
 		key: `snapshots/leases/${task}/s`,
 		bytes: 10,
 	};
+	// A record's ref must name a blob of the task that R2 holds.
+	await env.BLOBS.put(snap.key, "x".repeat(snap.bytes));
 	const rec = await t.record({
 		from: ROOT_ID,
 		calls: [{ ...run(bash("setup"), "ok"), snapshot: snap }],

@@ -249,10 +249,28 @@ describe("an overloaded task graph", () => {
 	});
 });
 
-// The tests above call the handler directly; the app behind `api()` must
-// carry the same limiter, so say it once through the real path too.
-it("lets a normal pace through the configured limiter", async () => {
+// The app behind `api()` must carry the limiter for every request, not only
+// the handler the tests above swap bindings into: the configured binding,
+// watched, has to see each request under its key, and a normal pace passes.
+it("counts every request against the configured limiter under its key, and lets a normal pace through", async () => {
+	const seen: string[] = [];
+	const real = env.RATE_LIMITER;
+	const watched: Env = {
+		...env,
+		RATE_LIMITER: {
+			limit: (options: RateLimitOptions) => {
+				seen.push(options.key);
+				return real.limit(options);
+			},
+		} as RateLimit,
+	};
+	const keys = await api("GET", "/v1/keys", { key: p.admin });
+	const hostKey = keys.body.keys.find(
+		(k: { role: string }) => k.role === "host",
+	);
 	for (let i = 0; i < 2 * TEST_LIMIT + 1; i++) {
-		expect((await api("GET", "/v1/tasks", { key: p.host })).status).toBe(200);
+		const r = await api("GET", "/v1/tasks", { key: p.host, env: watched });
+		expect(r.status).toBe(200);
 	}
+	expect(seen).toEqual(Array(2 * TEST_LIMIT + 1).fill(`key:${hostKey.id}`));
 });

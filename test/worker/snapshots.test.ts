@@ -1,7 +1,16 @@
 import { env } from "cloudflare:workers";
+import {
+	createExecutionContext,
+	createScheduledController,
+	runDurableObjectAlarm,
+	waitOnExecutionContext,
+} from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
+import { advanceClock, now } from "../../core/clock.ts";
+import worker from "../../functions/index.ts";
 import {
 	ROOT_ID,
+	ROOT_KEY,
 	api,
 	bash,
 	expectError,
@@ -147,5 +156,188 @@ describe("snapshot blobs", () => {
 		expect(
 			await env.BLOBS.head(`snapshots/snaps/big/${"e".repeat(64)}`),
 		).toBeNull();
+	});
+});
+
+describe("snapshot refs in a record", () => {
+	const upload = (task: string, state: string, body: Uint8Array) =>
+		api("PUT", `/v1/tasks/${task}/snapshots/${state}?driver=workspace`, {
+			key: keys.host,
+			body,
+		});
+	const recordWith = (task: string, snapshot: unknown) =>
+		taskApi(keys.trainer, task).record({
+			from: ROOT_ID,
+			calls: [{ ...run(bash("build"), "built"), snapshot }],
+		});
+	const state = "a".repeat(64);
+
+	it("refuses a key outside the task's own prefix with 400 invalid_snapshot, and records nothing", async () => {
+		// A real blob of another task of this project, and of another project.
+		const theirs = await upload("victim", state, bytes(4));
+		expect(theirs.status).toBe(201);
+		const other = await project("snaps-thief");
+		const stranger = await api(
+			"PUT",
+			`/v1/tasks/thief/snapshots/${state}?driver=workspace`,
+			{ key: other.host, body: bytes(4) },
+		);
+		expect(stranger.status).toBe(201);
+		for (const key of [
+			theirs.body.key,
+			stranger.body.key,
+			"snapshots/snaps/thief-x/y",
+			"snapshots/snaps/thief",
+			"outputs/snaps/thief/abc",
+			"k",
+		]) {
+			const r = await recordWith("thief", {
+				driver: "workspace",
+				key,
+				bytes: 4,
+			});
+			expectError(r, 400, "invalid_snapshot");
+		}
+		expectError(
+			await taskApi(keys.trainer, "thief").stats(),
+			404,
+			"task_not_found",
+		);
+		// Both blobs are still there, and still only their own tasks'.
+		expect(await env.BLOBS.head(theirs.body.key)).not.toBeNull();
+		expect(await env.BLOBS.head(stranger.body.key)).not.toBeNull();
+	});
+
+	it("refuses a key under the prefix with no blob behind it with 409 snapshot_missing, and records nothing", async () => {
+		const up = await upload("missing", state, bytes(4));
+		await env.BLOBS.delete(up.body.key);
+		expectError(await recordWith("missing", up.body), 409, "snapshot_missing");
+		expectError(
+			await recordWith("missing", {
+				driver: "workspace",
+				key: `snapshots/snaps/missing/${state}/never-uploaded`,
+				bytes: 1,
+			}),
+			409,
+			"snapshot_missing",
+		);
+		// The upload made the task known; the record added nothing to it.
+		expect((await taskApi(keys.trainer, "missing").stats()).body).toMatchObject(
+			{
+				nodes: 1,
+				snapshots: 0,
+				snapshotBytes: 0,
+			},
+		);
+	});
+
+	it("refuses a ref whose driver is not the blob's with 400 invalid_snapshot", async () => {
+		const up = await upload("driver", state, bytes(4));
+		expectError(
+			await recordWith("driver", { ...up.body, driver: "docker" }),
+			400,
+			"invalid_snapshot",
+		);
+		// The upload made the task known; the record added nothing to it.
+		expect((await taskApi(keys.trainer, "driver").stats()).body).toMatchObject({
+			nodes: 1,
+			snapshots: 0,
+			snapshotBytes: 0,
+		});
+	});
+
+	it("takes a snapshot's size from R2, not from the client's claim", async () => {
+		const t = taskApi(keys.trainer, "liar");
+		const up = await upload("liar", state, bytes(10));
+		const rec = await recordWith("liar", { ...up.body, bytes: 1e12 });
+		expect(rec.status).toBe(200);
+		expect((await t.stats()).body).toMatchObject({
+			snapshots: 1,
+			snapshotBytes: 10,
+		});
+		const miss = await t.lookup({
+			history: [bash("build")],
+			call: bash("test"),
+		});
+		expect(miss.body.snapshot).toMatchObject({ key: up.body.key, bytes: 10 });
+	});
+});
+
+// These move the clock (an hour and more): they come last in the file.
+describe("uploads whose record never comes", () => {
+	async function runCron() {
+		const ctx = createExecutionContext();
+		const controller = createScheduledController({
+			scheduledTime: now(),
+			cron: "*/5 * * * *",
+		});
+		await worker.scheduled(controller, env, ctx);
+		await waitOnExecutionContext(ctx);
+	}
+	const stub = (project: string, task: string) =>
+		env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`${project}/${task}`));
+
+	it("are swept from a task that never records, after the grace period (invariant 4)", async () => {
+		const up = await api(
+			"PUT",
+			`/v1/tasks/never-records/snapshots/${"b".repeat(64)}?driver=workspace`,
+			{ key: keys.host, body: bytes(8) },
+		);
+		expect(up.status).toBe(201);
+		// The task graph indexes the task with its alarm, as after any change.
+		advanceClock(3000);
+		await runDurableObjectAlarm(stub("snaps", "never-records"));
+
+		await runCron();
+		expect(await env.BLOBS.head(up.body.key)).not.toBeNull();
+		advanceClock(Number(env.ORPHAN_GRACE_MS) + 1);
+		await runCron();
+		expect(await env.BLOBS.head(up.body.key)).toBeNull();
+	});
+
+	it("are refused past the project's byte quota with 403 quota_exceeded, storing nothing", async () => {
+		const q = await project("snaps-bytes");
+		const set = await api("PUT", "/v1/projects/snaps-bytes/budgets", {
+			key: ROOT_KEY,
+			json: { projectBytes: 100 },
+		});
+		expect(set.status).toBe(200);
+		const put = (n: number) =>
+			api(
+				"PUT",
+				`/v1/tasks/full/snapshots/${"c".repeat(64)}?driver=workspace`,
+				{ key: q.host, body: bytes(n) },
+			);
+		expectError(await put(101), 403, "quota_exceeded");
+		expect(
+			(await env.BLOBS.list({ prefix: "snapshots/snaps-bytes/" })).objects,
+		).toEqual([]);
+		expect((await put(100)).status).toBe(201);
+	});
+
+	it("are refused for a new task past the project's task quota with 403 quota_exceeded", async () => {
+		const q = await project("snaps-tasks");
+		const set = await api("PUT", "/v1/projects/snaps-tasks/budgets", {
+			key: ROOT_KEY,
+			json: { tasks: 1 },
+		});
+		expect(set.status).toBe(200);
+		const put = (task: string) =>
+			api(
+				"PUT",
+				`/v1/tasks/${task}/snapshots/${"d".repeat(64)}?driver=workspace`,
+				{ key: q.host, body: bytes(4) },
+			);
+		expect((await put("first")).status).toBe(201);
+		advanceClock(3000);
+		await runDurableObjectAlarm(stub("snaps-tasks", "first"));
+		// Past the isolate's memory of the project's usage (10 s).
+		advanceClock(10_001);
+		expectError(await put("second"), 403, "quota_exceeded");
+		expect(
+			(await env.BLOBS.list({ prefix: "snapshots/snaps-tasks/second/" }))
+				.objects,
+		).toEqual([]);
+		expect((await put("first")).status).toBe(201);
 	});
 });

@@ -6,6 +6,9 @@
 import { Hono } from "hono";
 import { describe, expect, it } from "vitest";
 import { z } from "zod";
+import { LookupRequest, RecordRequest, firstIssue } from "../../core/api.ts";
+import { ExecRequest } from "../../core/host-api.ts";
+import { RolloutCallRequest } from "../../core/managed-api.ts";
 import { onError } from "../../functions/errors.ts";
 import { jsonText, parseJson, valid } from "../../functions/validate.ts";
 
@@ -64,4 +67,43 @@ describe("jsonText and parseJson", () => {
 		const r = await send("/text", '{"n":"2"}');
 		expect(r.body.error.message).toMatch(/^n: /);
 	});
+});
+
+// JSON.parse reads 1e400 as Infinity: a value with no JSON form, which the
+// ids' canonical JSON cannot hash. Every schema that takes a call refuses it.
+describe("a call's args", () => {
+	const ROOT = "e".repeat(64);
+	const schemas = (args: string) =>
+		[
+			[LookupRequest, `{"history":[],"call":{"tool":"t","args":${args}}}`],
+			[
+				LookupRequest,
+				`{"history":[{"tool":"t","args":${args}}],"call":{"tool":"t"}}`,
+			],
+			[
+				RecordRequest,
+				`{"from":"${ROOT}","calls":[{"tool":"t","args":${args},"output":"","execMs":1}]}`,
+			],
+			[RolloutCallRequest, `{"tool":"t","args":${args}}`],
+			[ExecRequest, `{"call":{"tool":"t","args":${args}}}`],
+		] as const;
+
+	it.each(["1e400", "-1e400", '{"a":[0,1e999]}'])(
+		"are refused when they hold a number out of range: %s",
+		(args) => {
+			for (const [schema, body] of schemas(args)) {
+				const r = schema.safeParse(JSON.parse(body));
+				expect(r.success, body).toBe(false);
+				expect(firstIssue(r.error!), body).toMatch(/out of range/);
+			}
+		},
+	);
+
+	it.each(["1e308", "-0", "0.1", '{"a":[1,2.5e-300]}'])(
+		"are taken when every number is finite: %s",
+		(args) => {
+			for (const [schema, body] of schemas(args))
+				expect(schema.safeParse(JSON.parse(body)).success, body).toBe(true);
+		},
+	);
 });
