@@ -252,6 +252,11 @@ export interface RecordResult {
 	id: string;
 	/** recorded: new; exists: same output already there; conflict: a different output stands. */
 	status: "recorded" | "exists" | "conflict";
+	/**
+	 * The call's snapshot blob was gone (swept, or evicted before a retry):
+	 * the call is recorded without a snapshot.
+	 */
+	snapshot?: "missing";
 }
 export interface RecordResponse {
 	/** The state after the run: a cursor for the next lookup. */

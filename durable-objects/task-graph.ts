@@ -245,6 +245,9 @@ export class TaskGraph extends DurableObject<Env> {
 			// A record over budget arms an eviction in memory; a restart
 			// before the alarm ran must not forget it.
 			this.#checkBudgets();
+			// Nor a change the task index in D1 has not seen yet: a task left
+			// out of it is never visited by the cron, nor are its blobs swept.
+			if (this.#indexBehind()) this.#touch();
 		});
 	}
 
@@ -583,6 +586,18 @@ export class TaskGraph extends DurableObject<Env> {
 	}
 
 	/** Serves edge hits' bookkeeping: the Worker answered them from its cache. */
+	/**
+	 * A snapshot blob was uploaded for this task, maybe before any record:
+	 * the task comes to exist and is indexed in D1 with the next alarm (or,
+	 * after a restart, the next start), so that the cron visits it and
+	 * sweeps the blob if no node ever points at it.
+	 */
+	async noteUpload(scope: Scope): Promise<void> {
+		this.#remember(scope);
+		this.#writeLastUsed(now());
+		this.#touch();
+	}
+
 	async countHits(scope: Scope, hits: EdgeHit[]): Promise<void> {
 		this.#remember(scope);
 		for (const h of hits) this.#countHit(h.tool, h.id, h.execMs);
@@ -994,11 +1009,7 @@ export class TaskGraph extends DurableObject<Env> {
 		const json = JSON.stringify(b);
 		if (json === this.#budgetsJson) return;
 		this.#budgetsJson = json;
-		this.#db
-			.insert(meta)
-			.values({ key: "budgets", value: json })
-			.onConflictDoUpdate({ target: meta.key, set: { value: json } })
-			.run();
+		this.#setMeta("budgets", json);
 	}
 
 	/** The budgets last given (by a record or the cron), else the Worker's defaults. */
@@ -1610,12 +1621,7 @@ export class TaskGraph extends DurableObject<Env> {
 	/** The cron's idle check reads this after a restart has lost #lastUsedAt. */
 	#writeLastUsed(at: number): void {
 		this.#lastUsedAt = Math.max(this.#lastUsedAt, at);
-		const value = String(this.#lastUsedAt);
-		this.#db
-			.insert(meta)
-			.values({ key: "last_used_at", value })
-			.onConflictDoUpdate({ target: meta.key, set: { value } })
-			.run();
+		this.#setMeta("last_used_at", String(this.#lastUsedAt));
 	}
 
 	/**
@@ -1806,14 +1812,8 @@ export class TaskGraph extends DurableObject<Env> {
 				?.value ?? at,
 		);
 		// The cron's idle check reads this after a restart has lost #lastUsedAt.
-		this.#db
-			.insert(meta)
-			.values({ key: "last_used_at", value: String(this.#lastUsedAt || at) })
-			.onConflictDoUpdate({
-				target: meta.key,
-				set: { value: String(this.#lastUsedAt || at) },
-			})
-			.run();
+		const lastUsed = String(this.#lastUsedAt || at);
+		this.#setMeta("last_used_at", lastUsed);
 		// A change during the write below marks the index dirty again.
 		this.#indexDirty = false;
 		await this.env.DB.prepare(
@@ -1840,6 +1840,29 @@ export class TaskGraph extends DurableObject<Env> {
 				this.#indexDirty = true;
 				throw e;
 			});
+		// What the index has seen, for the start's check (#indexBehind).
+		this.#setMeta("indexed_at", lastUsed);
+	}
+
+	/**
+	 * Whether this task changed since the task index last took it in: it has
+	 * a scope and was never indexed, or was used after. Only `meta` says so
+	 * after a restart (a record writes `last_used_at` with its rows).
+	 */
+	#indexBehind(): boolean {
+		const rows = this.#db.select().from(meta).all();
+		const m = Object.fromEntries(rows.map((r) => [r.key, r.value]));
+		if (m.project === undefined) return false;
+		if (m.indexed_at === undefined) return true;
+		return Number(m.last_used_at ?? 0) > Number(m.indexed_at);
+	}
+
+	#setMeta(key: string, value: string): void {
+		this.#db
+			.insert(meta)
+			.values({ key, value })
+			.onConflictDoUpdate({ target: meta.key, set: { value } })
+			.run();
 	}
 }
 

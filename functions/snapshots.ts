@@ -39,16 +39,18 @@ function blobPrefix(project: string, task: string, state: string): string {
  * The snapshot refs of a record's calls, checked against R2, with the sizes
  * R2 gives (a client's `bytes` would feed the budgets whatever it claims).
  * A key outside `snapshots/{project}/{task}/` is 400 `invalid_snapshot`, as
- * is a key named twice or a driver that is not the blob's; a key with no
- * blob (never uploaded, or swept) is 409 `snapshot_missing`: the request is
- * well-formed, the store does not hold what it names, and a new upload
- * fixes it. Nothing is written either way.
+ * is a key named twice or a driver that is not the blob's; nothing is
+ * written then. A key with no blob behind it (swept, or evicted between a
+ * record and its retry) is no error: the call is recorded without a
+ * snapshot, which only costs a later restore its shortcut, and its result
+ * says `snapshot: "missing"` (`missing` lists those calls). Failing the
+ * record instead would make the retry of an acknowledged record fail.
  */
 export async function checkSnapshots(
 	env: Env,
 	scope: Scope,
 	snapshots: (SnapshotRef | undefined)[],
-): Promise<(SnapshotRef | undefined)[]> {
+): Promise<{ refs: (SnapshotRef | undefined)[]; missing: number[] }> {
 	const prefix = taskPrefix(scope);
 	const named = new Set<string>();
 	for (const [i, ref] of snapshots.entries()) {
@@ -69,7 +71,7 @@ export async function checkSnapshots(
 		}
 		named.add(ref.key);
 	}
-	if (named.size === 0) return snapshots;
+	if (named.size === 0) return { refs: snapshots, missing: [] };
 	let heads: (R2Object | null | undefined)[];
 	try {
 		heads = await Promise.all(
@@ -84,15 +86,13 @@ export async function checkSnapshots(
 			{ "Retry-After": "1" },
 		);
 	}
-	return snapshots.map((ref, i) => {
+	const missing: number[] = [];
+	const refs = snapshots.map((ref, i) => {
 		if (ref === undefined) return undefined;
 		const head = heads[i];
 		if (!head) {
-			throw apiError(
-				409,
-				"snapshot_missing",
-				`calls.${i}.snapshot.key: no such blob (never uploaded, or swept); upload the snapshot again`,
-			);
+			missing.push(i);
+			return undefined;
 		}
 		const driver = head.customMetadata?.driver;
 		if (driver !== undefined && driver !== ref.driver) {
@@ -104,6 +104,7 @@ export async function checkSnapshots(
 		}
 		return { driver: ref.driver, key: ref.key, bytes: head.size };
 	});
+	return { refs, missing };
 }
 
 function stateParam(raw: string): string {
@@ -210,7 +211,7 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 	// task that only ever uploads is otherwise never in the index. If the
 	// graph cannot be told, the blob is taken back: nothing would sweep it.
 	try {
-		await graph(c).countHits(scope, []);
+		await graph(c).noteUpload(scope);
 	} catch (err) {
 		await c.env.BLOBS.delete(key).catch((e: unknown) =>
 			console.error("could not delete an unindexed snapshot blob", key, e),

@@ -264,7 +264,7 @@ tasks.post(
 			}
 		}
 		const scope = c.get("scope");
-		const snapshots = await checkSnapshots(
+		const { refs: snapshots, missing } = await checkSnapshots(
 			c.env,
 			scope,
 			req.calls.map((call) => call.snapshot),
@@ -295,6 +295,7 @@ tasks.post(
 			});
 		}
 		const r = unwrap(recorded);
+		for (const i of missing) r.results[i].snapshot = "missing";
 		// The graph computes the final state the same way; say so if it ever does not.
 		const want = steps.findLast((s) => s.mutates)?.id ?? req.from;
 		if (r.state !== want) throw new Error("final state mismatch");

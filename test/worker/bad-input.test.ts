@@ -380,28 +380,6 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 		"invalid_snapshot",
 	],
 	[
-		"a snapshot ref to a blob that was never uploaded",
-		() =>
-			api("POST", `${T}/record`, {
-				key,
-				json: {
-					from: ROOT_ID,
-					calls: [
-						{
-							...run(call, "o"),
-							snapshot: {
-								driver: "workspace",
-								key: `snapshots/bad/untouched/${ROOT_ID}/never`,
-								bytes: 1,
-							},
-						},
-					],
-				},
-			}),
-		409,
-		"snapshot_missing",
-	],
-	[
 		"a record from an unknown state",
 		() =>
 			api("POST", `${T}/record`, {

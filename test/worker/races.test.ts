@@ -390,6 +390,24 @@ describe("restarts", () => {
 		).toMatchObject({ status: "hit", output: "2" });
 	});
 
+	it("indexes a task recorded just before a restart, so the cron visits it", async () => {
+		// Alarms armed from here on are due a minute ahead of the real clock:
+		// none runs on its own before the restart.
+		advanceClock(60_000);
+		const t = taskApi(keys.trainer, "restart-index", NO_EDGE);
+		await t.record({ from: ROOT_ID, calls: [run(bash("a"), "1")] });
+		const indexed = () =>
+			env.DB.prepare(
+				"select nodes from tasks where project_id = 'races' and task = 'restart-index'",
+			).first<{ nodes: number }>();
+		expect(await indexed()).toBeNull();
+		await abortAllDurableObjects();
+		// The alarm the record armed outlives the restart; the memory that
+		// the index was behind does not, and the start finds it again.
+		expect(await runDurableObjectAlarm(stub("restart-index"))).toBe(true);
+		expect(await indexed()).toEqual({ nodes: 2 });
+	});
+
 	it("evicts after a restart by the budgets the last record brought", async () => {
 		const p = await project("races-budgets");
 		const set = await api("PUT", "/v1/projects/races-budgets/budgets", {

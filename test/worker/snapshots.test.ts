@@ -208,27 +208,51 @@ describe("snapshot refs in a record", () => {
 		expect(await env.BLOBS.head(stranger.body.key)).not.toBeNull();
 	});
 
-	it("refuses a key under the prefix with no blob behind it with 409 snapshot_missing, and records nothing", async () => {
+	it("records a call whose snapshot blob is gone without a snapshot, and says so", async () => {
 		const up = await upload("missing", state, bytes(4));
 		await env.BLOBS.delete(up.body.key);
-		expectError(await recordWith("missing", up.body), 409, "snapshot_missing");
-		expectError(
-			await recordWith("missing", {
-				driver: "workspace",
-				key: `snapshots/snaps/missing/${state}/never-uploaded`,
-				bytes: 1,
-			}),
-			409,
-			"snapshot_missing",
-		);
-		// The upload made the task known; the record added nothing to it.
-		expect((await taskApi(keys.trainer, "missing").stats()).body).toMatchObject(
-			{
-				nodes: 1,
-				snapshots: 0,
-				snapshotBytes: 0,
-			},
-		);
+		const r = await recordWith("missing", up.body);
+		expect(r.status).toBe(200);
+		expect(r.body.results).toEqual([
+			{ id: r.body.state, status: "recorded", snapshot: "missing" },
+		]);
+		// Never uploaded: the same.
+		const never = await taskApi(keys.trainer, "missing").record({
+			from: ROOT_ID,
+			calls: [
+				{
+					...run(bash("other"), "o"),
+					snapshot: {
+						driver: "workspace",
+						key: `snapshots/snaps/missing/${state}/never-uploaded`,
+						bytes: 1,
+					},
+				},
+			],
+		});
+		expect(never.body.results[0]).toMatchObject({
+			status: "recorded",
+			snapshot: "missing",
+		});
+		// Both calls stand; no node points at a blob, and none is counted.
+		const t = taskApi(keys.trainer, "missing");
+		expect((await t.stats()).body).toMatchObject({
+			nodes: 3,
+			snapshots: 0,
+			snapshotBytes: 0,
+		});
+		const nodes = (await t.graph()).body.nodes as { snapshot: unknown }[];
+		expect(nodes.every((n) => n.snapshot === null)).toBe(true);
+		// A call whose blob is there has no such mark.
+		const there = await upload("missing", state, bytes(4));
+		const ok = await taskApi(keys.trainer, "missing").record({
+			from: ROOT_ID,
+			calls: [{ ...run(bash("third"), "3"), snapshot: there.body }],
+		});
+		expect(ok.body.results[0]).toEqual({
+			id: ok.body.state,
+			status: "recorded",
+		});
 	});
 
 	it("refuses a ref whose driver is not the blob's with 400 invalid_snapshot", async () => {
