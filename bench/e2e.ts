@@ -211,19 +211,14 @@ async function runDirect(
 						const p0 = performance.now();
 						const snap = await sandbox.snapshot();
 						const ms = performance.now() - p0;
-						const bytes =
-							snap.data === undefined ? snap.bytes : snap.data.byteLength;
-						let restoreMs = Number.NaN;
-						if (snap.data !== undefined) {
-							const data = snap.data;
-							const r0 = performance.now();
-							const copy = await factory.restore({
-								ref: { driver: snap.driver, key: "snapshots/direct", bytes },
-								read: async () => data,
-							});
-							restoreMs = performance.now() - r0;
-							await copy.stop();
-						}
+						const bytes = snap.data.byteLength;
+						const r0 = performance.now();
+						const copy = await factory.restore({
+							ref: { driver: snap.driver, key: "snapshots/direct", bytes },
+							read: async () => snap.data,
+						});
+						const restoreMs = performance.now() - r0;
+						await copy.stop();
 						snapshot = { ms, bytes, restoreMs };
 					}
 				} finally {

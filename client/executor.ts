@@ -479,15 +479,12 @@ export class CachedToolExecutor {
 			(this.#options.snapshotWhen?.(info) ?? false);
 		if (!wanted || !this.#sandbox) return {};
 		const snap = await this.#sandbox.snapshot();
-		const ref =
-			snap.data !== undefined
-				? await this.#client.putSnapshot(
-						this.task,
-						state,
-						snap.data,
-						snap.driver,
-					)
-				: { driver: snap.driver, key: snap.key, bytes: snap.bytes };
+		const ref = await this.#client.putSnapshot(
+			this.task,
+			state,
+			snap.data,
+			snap.driver,
+		);
 		this.#counters.snapshots++;
 		return { snapshot: ref };
 	}

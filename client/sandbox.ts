@@ -22,13 +22,15 @@ export interface ExecResult {
 }
 
 /**
- * A snapshot as a sandbox hands it out: either the blob itself, for the
- * executor to upload through the cache's snapshot route, or a handle the
- * driver keeps itself (an image tag in a registry, say), already a
- * {@link SnapshotRef} that the cache can store as is.
+ * A snapshot as a sandbox hands it out: the blob itself, which the executor
+ * (or the host) uploads through the cache's snapshot route. The cache only
+ * points nodes at blobs of its own (see the record route), so a handle a
+ * driver keeps elsewhere is not a snapshot it can store.
  */
-export type SandboxSnapshot =
-	{ driver: string; data: Uint8Array } | (SnapshotRef & { data?: undefined });
+export interface SandboxSnapshot {
+	driver: string;
+	data: Uint8Array;
+}
 
 /**
  * A snapshot to restore: its ref as the cache returned it, and a way to get

@@ -633,29 +633,25 @@ export function createHost(options: HostOptions): Host {
 		const snap = await serially(entry, () => entry.sandbox.snapshot());
 		// The bytes are taken; the upload need not hold the sandbox.
 		let ref;
-		if (snap.data === undefined) {
-			ref = { driver: snap.driver, key: snap.key, bytes: snap.bytes };
-		} else {
-			try {
-				ref = await worker.putSnapshot(
-					req.task,
-					req.state,
-					snap.data,
-					snap.driver,
-				);
-			} catch (err) {
-				if (err instanceof TrellisError)
-					// Too large is the snapshot's fault, not the host's: the
-					// Worker should not count it as a host failure.
-					throw err.status === 413
-						? hostError(413, "snapshot_too_large", err.message)
-						: hostError(
-								502,
-								"worker_error",
-								`uploading the snapshot failed: ${err.message}`,
-							);
-				throw err;
-			}
+		try {
+			ref = await worker.putSnapshot(
+				req.task,
+				req.state,
+				snap.data,
+				snap.driver,
+			);
+		} catch (err) {
+			if (err instanceof TrellisError)
+				// Too large is the snapshot's fault, not the host's: the
+				// Worker should not count it as a host failure.
+				throw err.status === 413
+					? hostError(413, "snapshot_too_large", err.message)
+					: hostError(
+							502,
+							"worker_error",
+							`uploading the snapshot failed: ${err.message}`,
+						);
+			throw err;
 		}
 		const snapshotMs = performance.now() - started;
 		return c.json({ ...ref, snapshotMs } satisfies SnapshotResponse);
