@@ -5,6 +5,7 @@
 import {
 	index,
 	integer,
+	primaryKey,
 	real,
 	sqliteTable,
 	text,
@@ -140,3 +141,19 @@ export const deletedBlobs = sqliteTable("deleted_blobs", {
 	key: text("key").primaryKey(),
 	deletedAt: integer("deleted_at").notNull(),
 });
+
+/**
+ * The different outputs seen for recorded calls (invariant 3: the first
+ * output stands), one row per node and output, so that the retry of a
+ * conflicting record counts in stats once, as any retried record does.
+ * `digest` is SHA-256 of the exit code and the output.
+ */
+export const conflictOutputs = sqliteTable(
+	"conflict_outputs",
+	{
+		nodeId: text("node_id").notNull(),
+		digest: text("digest").notNull(),
+		seenAt: integer("seen_at").notNull(),
+	},
+	(t) => [primaryKey({ columns: [t.nodeId, t.digest] })],
+);

@@ -68,6 +68,7 @@ import {
 	type Statements,
 } from "./task-graph.statements.ts";
 import {
+	conflictOutputs,
 	deletedBlobs,
 	evictions,
 	leases,
@@ -476,16 +477,16 @@ export class TaskGraph extends DurableObject<Env> {
 					const parent = state;
 					const parentNode = lookup(parent)!;
 					const existing = lookup(c.id);
-					// `records` counts nodes this record created, so a retried record
-					// adds nothing. A conflict is counted on every record that brings
-					// one: telling a retry from a new run with the same different
-					// output would need a table of the outputs seen (not kept).
+					// `records` counts nodes this record created, and `conflicts` the
+					// different outputs a node was sent, so a retried record adds
+					// nothing to either. Every conflicting record is told it conflicts.
 					const toolDelta = { records: existing ? 0 : 1, conflicts: 0 };
 					if (existing) {
 						const same = this.#sameOutput(c.id, c.output, c.exitCode);
 						if (!same) {
 							conflicts++;
-							toolDelta.conflicts = 1;
+							if (this.#newConflict(c.id, c.output, c.exitCode, at))
+								toolDelta.conflicts = 1;
 						}
 						results.push({ id: c.id, status: same ? "exists" : "conflict" });
 						if (
@@ -1387,6 +1388,7 @@ export class TaskGraph extends DurableObject<Env> {
 				rolloutRows,
 				evictions,
 				deletedBlobs,
+				conflictOutputs,
 			]) {
 				this.#db.delete(table).run();
 			}
@@ -1578,6 +1580,31 @@ export class TaskGraph extends DurableObject<Env> {
 			return r.outputKey.endsWith(`/${digest}`);
 		}
 		return r.output === output;
+	}
+
+	/** Notes a different output sent for a node; false if it was sent before. */
+	#newConflict(
+		id: string,
+		output: string,
+		exitCode: number,
+		at: number,
+	): boolean {
+		const digest = createHash("sha256")
+			.update(`${exitCode}\n${output}`, "utf8")
+			.digest("hex");
+		const seen = this.#db
+			.select({ nodeId: conflictOutputs.nodeId })
+			.from(conflictOutputs)
+			.where(
+				and(eq(conflictOutputs.nodeId, id), eq(conflictOutputs.digest, digest)),
+			)
+			.get();
+		if (seen) return false;
+		this.#db
+			.insert(conflictOutputs)
+			.values({ nodeId: id, digest, seenAt: at })
+			.run();
+		return true;
 	}
 
 	/** Points a node at a snapshot blob: the row only (callers update memory once committed). */

@@ -247,6 +247,19 @@ describe("lookup and record", () => {
 		const stats = (await t.stats()).body;
 		expect(stats.conflicts).toBe(2);
 		expect(stats.tools.bash.nondeterministic).toBe(true);
+
+		// A retry of a conflicting record is told again, and counted once.
+		const retried = await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("date"), "Tuesday")],
+		});
+		expect(retried.body.results[0].status).toBe("conflict");
+		expect(retried.body.conflicts).toBe(1);
+		expect((await t.stats()).body.conflicts).toBe(2);
+		expect((await t.stats()).body.tools.bash.conflicts).toBe(2);
+		// Another different output counts.
+		await t.record({ from: ROOT_ID, calls: [run(bash("date"), "Friday")] });
+		expect((await t.stats()).body.conflicts).toBe(3);
 	});
 
 	it("records from a held state, and refuses an unknown `from` with 409 writing nothing", async () => {
