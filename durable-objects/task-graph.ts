@@ -248,7 +248,8 @@ export class TaskGraph extends DurableObject<Env> {
 			this.#checkBudgets();
 			// Nor a change the task index in D1 has not seen yet: a task left
 			// out of it is never visited by the cron, nor are its blobs swept.
-			if (this.#indexBehind()) this.#touch();
+			// (Not a use of the task: its idle time stands.)
+			if (this.#indexBehind()) this.#indexSoon();
 		});
 	}
 
@@ -465,6 +466,7 @@ export class TaskGraph extends DurableObject<Env> {
 		};
 		const attached: string[] = [];
 		const lookup = (id: string) => added.get(id) ?? this.#index.get(id);
+		const inlineMax = Math.min(input.inlineMaxBytes, ROW_INLINE_MAX_BYTES);
 		try {
 			this.ctx.storage.transactionSync(() => {
 				for (const [i, c] of input.calls.entries()) {
@@ -503,6 +505,9 @@ export class TaskGraph extends DurableObject<Env> {
 					} else {
 						const key = blobKeys.get(i) ?? null;
 						const bytes = encoder.encode(c.output).byteLength;
+						// Held when the blobs were written, evicted since: its output
+						// has no blob, and may not fit a row. Taken again by a retry.
+						if (key === null && bytes > inlineMax) throw new EvictedMeanwhile();
 						const kind = c.mutates ? "state" : "result";
 						const depth = c.mutates ? parentNode.depth + 1 : parentNode.depth;
 						this.#q.insertNode.run({
@@ -544,6 +549,13 @@ export class TaskGraph extends DurableObject<Env> {
 				this.#writeLastUsed(at);
 			});
 		} catch (err) {
+			if (err instanceof EvictedMeanwhile) {
+				return fail(
+					503,
+					"storage_unavailable",
+					"a call was evicted while its output was written; nothing was recorded, retry",
+				);
+			}
 			// A row past SQLite's limit (the args: the output went to R2). The
 			// transaction rolled back whole, and memory was not touched.
 			if (err instanceof Error && /too big|TOOBIG/i.test(err.message)) {
@@ -586,7 +598,6 @@ export class TaskGraph extends DurableObject<Env> {
 		return { hit: this.#storedHit(row), tool: row.tool! };
 	}
 
-	/** Serves edge hits' bookkeeping: the Worker answered them from its cache. */
 	/**
 	 * A snapshot blob was uploaded for this task, maybe before any record:
 	 * the task comes to exist and is indexed in D1 with the next alarm (or,
@@ -599,6 +610,7 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#touch();
 	}
 
+	/** Serves edge hits' bookkeeping: the Worker answered them from its cache. */
 	async countHits(scope: Scope, hits: EdgeHit[]): Promise<void> {
 		this.#remember(scope);
 		for (const h of hits) this.#countHit(h.tool, h.id, h.execMs);
@@ -1642,6 +1654,7 @@ export class TaskGraph extends DurableObject<Env> {
 		this.#usage.snapshots++;
 		this.#usage.snapshotBytes += ref.bytes;
 		this.#checkBudgets();
+		this.#touch();
 		return "attached";
 	}
 
@@ -1801,6 +1814,11 @@ export class TaskGraph extends DurableObject<Env> {
 	/** Marks the task index stale; the alarm writes it to D1 shortly. */
 	#touch(): void {
 		this.#lastUsedAt = now();
+		this.#indexSoon();
+	}
+
+	/** Has the next alarm write the task index. */
+	#indexSoon(): void {
 		this.#indexDirty = true;
 		this.#armAlarm(now() + INDEX_FLUSH_DELAY_MS);
 	}
@@ -1839,7 +1857,7 @@ export class TaskGraph extends DurableObject<Env> {
 				?.value ?? at,
 		);
 		// The cron's idle check reads this after a restart has lost #lastUsedAt.
-		const lastUsed = String(this.#lastUsedAt || at);
+		const lastUsed = String(this.#lastUsed() || at);
 		this.#setMeta("last_used_at", lastUsed);
 		// A change during the write below marks the index dirty again.
 		this.#indexDirty = false;
@@ -1855,7 +1873,7 @@ export class TaskGraph extends DurableObject<Env> {
 				scope.project,
 				scope.task,
 				created,
-				this.#lastUsedAt || at,
+				Number(lastUsed),
 				s.nodes,
 				s.snapshots,
 				s.outputBytes + s.snapshotBytes,
@@ -1892,6 +1910,9 @@ export class TaskGraph extends DurableObject<Env> {
 			.run();
 	}
 }
+
+/** A record's call was evicted between its blob pass and its transaction. */
+class EvictedMeanwhile extends Error {}
 
 function chunks<T>(items: T[], size: number): T[][] {
 	const out: T[][] = [];

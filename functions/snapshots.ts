@@ -38,9 +38,10 @@ function blobPrefix(project: string, task: string, state: string): string {
 /**
  * The snapshot refs of a record's calls, checked against R2, with the sizes
  * R2 gives (a client's `bytes` would feed the budgets whatever it claims).
- * A key outside `snapshots/{project}/{task}/` is 400 `invalid_snapshot`, as
- * is a key named twice or a driver that is not the blob's; nothing is
- * written then. A key with no blob behind it (swept, or evicted between a
+ * A key outside `snapshots/{project}/{task}/{state}/`, where `state` is the
+ * state after the call (`states[i]`), is 400 `invalid_snapshot`, as is a
+ * driver that is not the blob's; nothing is written then. So a node only
+ * ever points at a snapshot of its own state, and no two nodes at one blob. A key with no blob behind it (swept, or evicted between a
  * record and its retry) is no error: the call is recorded without a
  * snapshot, which only costs a later restore its shortcut, and its result
  * says `snapshot: "missing"` (`missing` lists those calls). Failing the
@@ -50,28 +51,22 @@ export async function checkSnapshots(
 	env: Env,
 	scope: Scope,
 	snapshots: (SnapshotRef | undefined)[],
+	states: string[],
 ): Promise<{ refs: (SnapshotRef | undefined)[]; missing: number[] }> {
-	const prefix = taskPrefix(scope);
-	const named = new Set<string>();
+	let named = 0;
 	for (const [i, ref] of snapshots.entries()) {
 		if (ref === undefined) continue;
+		const prefix = blobPrefix(scope.project, scope.task, states[i]);
 		if (!ref.key.startsWith(prefix) || ref.key.length === prefix.length) {
 			throw apiError(
 				400,
 				"invalid_snapshot",
-				`calls.${i}.snapshot.key: must be a key the snapshot upload route gave for this task (under ${prefix})`,
+				`calls.${i}.snapshot.key: must be a key the snapshot upload route gave for this task and the state after this call (under ${prefix})`,
 			);
 		}
-		if (named.has(ref.key)) {
-			throw apiError(
-				400,
-				"invalid_snapshot",
-				`calls.${i}.snapshot.key: the same blob is given for two calls`,
-			);
-		}
-		named.add(ref.key);
+		named++;
 	}
-	if (named.size === 0) return { refs: snapshots, missing: [] };
+	if (named === 0) return { refs: snapshots, missing: [] };
 	let heads: (R2Object | null | undefined)[];
 	try {
 		heads = await Promise.all(

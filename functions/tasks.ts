@@ -264,15 +264,16 @@ tasks.post(
 			}
 		}
 		const scope = c.get("scope");
+		const steps = pathIds(req.calls, req.from);
 		const { refs: snapshots, missing } = await checkSnapshots(
 			c.env,
 			scope,
 			req.calls.map((call) => call.snapshot),
+			steps.map((step) => step.id),
 		);
 		const budgets = await budgetsFor(c.env, scope.project);
 		const refused = await quotaError(c.env, scope.project, scope.task, budgets);
 		if (refused) throw apiError(403, "quota_exceeded", refused);
-		const steps = pathIds(req.calls, req.from);
 		const recorded = await graph(c).record(c.get("scope"), {
 			from: req.from,
 			calls: req.calls.map((call, i) => ({

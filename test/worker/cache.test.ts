@@ -23,6 +23,8 @@ import {
 	run,
 	taskApi,
 	unsizedBody,
+	snapshotBlob,
+	stateAfter,
 } from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
@@ -173,19 +175,14 @@ describe("lookup and record", () => {
 	it("resumes from the deepest snapshot on the matched path and replays only below it", async () => {
 		const t = taskApi(keys.trainer, "snap");
 		const M3 = bash("make");
-		const snap = {
-			driver: "workspace",
-			key: "snapshots/cache/snap/x",
-			bytes: 42,
-		};
-		// A record's ref must name a blob of the task that R2 holds.
-		await env.BLOBS.put(snap.key, "x".repeat(snap.bytes));
+		const s1 = childId(ROOT_ID, callKey(M1));
+		const s2 = childId(s1, callKey(M2));
+		// A record's ref must name a blob of this task and state that R2 holds.
+		const snap = await snapshotBlob("cache", "snap", s2, 42);
 		await t.record({
 			from: ROOT_ID,
 			calls: [run(M1, "a"), { ...run(M2, "b"), snapshot: snap }, run(M3, "c")],
 		});
-		const s1 = childId(ROOT_ID, callKey(M1));
-		const s2 = childId(s1, callKey(M2));
 		const s3 = childId(s2, callKey(M3));
 		const M4 = bash("test");
 		const r = await t.lookup({ history: [M1, M2, M3], call: M4 });

@@ -30,6 +30,8 @@ import {
 	project,
 	run,
 	taskApi,
+	snapshotBlob,
+	stateAfter,
 } from "./helpers.ts";
 
 const node = (
@@ -130,11 +132,10 @@ const stub = (task: string) =>
 	env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`evict/${task}`));
 const setBudgets = (json: object) =>
 	api("PUT", "/v1/projects/evict/budgets", { key: keys.admin, json });
-const snap = (task: string, name: string, bytes: number) => ({
-	driver: "workspace",
-	key: `snapshots/evict/${task}/${name}`,
-	bytes,
-});
+
+/** The key of branch `i`'s snapshot blob (see {@link branches}). */
+const branchKey = (task: string, i: number) =>
+	`snapshots/evict/${task}/${stateAfter(bash(`branch ${i}`))}/blob`;
 
 /** Records `n` one-call branches from the root, each with a snapshot blob in R2. */
 async function branches(
@@ -145,8 +146,12 @@ async function branches(
 	const t = taskApi(keys.trainer, task);
 	const states: string[] = [];
 	for (let i = 0; i < n; i++) {
-		const ref = snap(task, `s${i}`, 100);
-		await env.BLOBS.put(ref.key, "x".repeat(100));
+		const ref = await snapshotBlob(
+			"evict",
+			task,
+			stateAfter(bash(`branch ${i}`)),
+			100,
+		);
 		const r = await t.record({
 			from: ROOT_ID,
 			calls: [
@@ -213,10 +218,8 @@ describe("budgets in a task graph", () => {
 					.output,
 			).toBe(`out ${i}`);
 		}
-		expect(await env.BLOBS.head("snapshots/evict/snapbudget/s0")).toBeNull();
-		expect(
-			await env.BLOBS.head("snapshots/evict/snapbudget/s1"),
-		).not.toBeNull();
+		expect(await env.BLOBS.head(branchKey("snapbudget", 0))).toBeNull();
+		expect(await env.BLOBS.head(branchKey("snapbudget", 1))).not.toBeNull();
 		// The graph export shows the scores it decided by.
 		const scored = g.filter((n: { kind: string }) => n.kind !== "root");
 		for (const n of scored) expect(typeof n.score).toBe("number");
@@ -236,7 +239,7 @@ describe("budgets in a task graph", () => {
 		expect(
 			g.find((n: { id: string }) => n.id === states[1]).snapshot,
 		).toBeNull();
-		expect(await env.BLOBS.head("snapshots/evict/leased/s0")).not.toBeNull();
+		expect(await env.BLOBS.head(branchKey("leased", 0))).not.toBeNull();
 
 		// The client died holding it: the lease expires through the alarm.
 		advanceClock(1001);
@@ -362,8 +365,12 @@ describe("the cron sweep", () => {
 	it("deletes blobs no node points at after the grace period, and keeps those in use (fault 2)", async () => {
 		await setBudgets({ snapshots: 100, nodes: 1000 });
 		const t = taskApi(keys.trainer, "orphans");
-		const used = snap("orphans", "used", 3);
-		await env.BLOBS.put(used.key, "abc");
+		const used = await snapshotBlob(
+			"evict",
+			"orphans",
+			stateAfter(bash("a")),
+			3,
+		);
 		await t.record({
 			from: ROOT_ID,
 			calls: [{ ...run(bash("a"), "1"), snapshot: used }],

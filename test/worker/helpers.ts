@@ -6,8 +6,8 @@ import {
 import { env, exports } from "cloudflare:workers";
 import { expect } from "vitest";
 import worker from "../../functions/index.ts";
-import type { Call, RecordedCall } from "../../core/api.ts";
-import { ROOT_ID } from "../../core/ids.ts";
+import type { Call, RecordedCall, SnapshotRef } from "../../core/api.ts";
+import { ROOT_ID, callKey, childId } from "../../core/ids.ts";
 
 export const ROOT_KEY = "test-root-admin-key";
 export { ROOT_ID };
@@ -151,4 +151,27 @@ export function taskApi(key: string, task: string, bindings?: Env) {
 			api("POST", `${base}/leases/${id}/renew`, { ...o, json }),
 		release: (id: string) => api("DELETE", `${base}/leases/${id}`, o),
 	};
+}
+
+/** The state after one state-changing call from `from` (the root by default). */
+export const stateAfter = (call: Call, from: string = ROOT_ID): string =>
+	childId(from, callKey(call));
+
+/**
+ * A snapshot blob of `state` in R2, keyed as the upload route keys it
+ * (`snapshots/{project}/{task}/{state}/{name}`), and its ref: what a record
+ * of the call that leads to `state` may carry.
+ */
+export async function snapshotBlob(
+	project: string,
+	task: string,
+	state: string,
+	bytes: number,
+	name = "blob",
+): Promise<SnapshotRef> {
+	const key = `snapshots/${project}/${task}/${state}/${name}`;
+	await env.BLOBS.put(key, "x".repeat(bytes), {
+		customMetadata: { driver: "workspace" },
+	});
+	return { driver: "workspace", key, bytes };
 }

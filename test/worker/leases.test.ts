@@ -10,6 +10,8 @@ import {
 	project,
 	run,
 	taskApi,
+	snapshotBlob,
+	stateAfter,
 } from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
@@ -22,13 +24,13 @@ const stub = (task: string) =>
 
 async function snapshotted(task: string) {
 	const t = taskApi(keys.trainer, task);
-	const snap = {
-		driver: "workspace",
-		key: `snapshots/leases/${task}/s`,
-		bytes: 10,
-	};
-	// A record's ref must name a blob of the task that R2 holds.
-	await env.BLOBS.put(snap.key, "x".repeat(snap.bytes));
+	// A record's ref must name a blob of this task and state that R2 holds.
+	const snap = await snapshotBlob(
+		"leases",
+		task,
+		stateAfter(bash("setup")),
+		10,
+	);
 	const rec = await t.record({
 		from: ROOT_ID,
 		calls: [{ ...run(bash("setup"), "ok"), snapshot: snap }],

@@ -17,6 +17,7 @@ import {
 	project,
 	run,
 	taskApi,
+	stateAfter,
 } from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
@@ -170,7 +171,8 @@ describe("snapshot refs in a record", () => {
 			from: ROOT_ID,
 			calls: [{ ...run(bash("build"), "built"), snapshot }],
 		});
-	const state = "a".repeat(64);
+	// The state after `recordWith`'s call: the one its snapshot must be of.
+	const state = stateAfter(bash("build"));
 
 	it("refuses a key outside the task's own prefix with 400 invalid_snapshot, and records nothing", async () => {
 		// A real blob of another task of this project, and of another project.
@@ -208,6 +210,20 @@ describe("snapshot refs in a record", () => {
 		expect(await env.BLOBS.head(stranger.body.key)).not.toBeNull();
 	});
 
+	it("refuses a blob of this task but of another state with 400 invalid_snapshot", async () => {
+		const other = await upload("wrong-state", "b".repeat(64), bytes(4));
+		expect(other.status).toBe(201);
+		expectError(
+			await recordWith("wrong-state", other.body),
+			400,
+			"invalid_snapshot",
+		);
+		// Nothing was recorded: the task holds only what the upload made.
+		expect(
+			(await taskApi(keys.trainer, "wrong-state").stats()).body,
+		).toMatchObject({ nodes: 1, snapshots: 0 });
+	});
+
 	it("records a call whose snapshot blob is gone without a snapshot, and says so", async () => {
 		const up = await upload("missing", state, bytes(4));
 		await env.BLOBS.delete(up.body.key);
@@ -224,7 +240,7 @@ describe("snapshot refs in a record", () => {
 					...run(bash("other"), "o"),
 					snapshot: {
 						driver: "workspace",
-						key: `snapshots/snaps/missing/${state}/never-uploaded`,
+						key: `snapshots/snaps/missing/${stateAfter(bash("other"))}/never-uploaded`,
 						bytes: 1,
 					},
 				},
@@ -244,7 +260,7 @@ describe("snapshot refs in a record", () => {
 		const nodes = (await t.graph()).body.nodes as { snapshot: unknown }[];
 		expect(nodes.every((n) => n.snapshot === null)).toBe(true);
 		// A call whose blob is there has no such mark.
-		const there = await upload("missing", state, bytes(4));
+		const there = await upload("missing", stateAfter(bash("third")), bytes(4));
 		const ok = await taskApi(keys.trainer, "missing").record({
 			from: ROOT_ID,
 			calls: [{ ...run(bash("third"), "3"), snapshot: there.body }],
