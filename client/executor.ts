@@ -90,6 +90,8 @@ export interface RolloutCounters {
 	restores: number;
 	/** Snapshots taken and uploaded. */
 	snapshots: number;
+	/** Snapshots taken whose upload the cache refused (too large, over quota): the call stands without one. */
+	snapshotsRefused: number;
 	/**
 	 * Snapshot leases the cache granted on misses; each is released before
 	 * `call` returns (or, if that fails, left to expire: `unreleasedLeases`).
@@ -112,6 +114,7 @@ function counters(): RolloutCounters {
 		savedMs: 0,
 		restores: 0,
 		snapshots: 0,
+		snapshotsRefused: 0,
 		leases: 0,
 		unreleasedLeases: 0,
 		conflicts: 0,
@@ -479,12 +482,26 @@ export class CachedToolExecutor {
 			(this.#options.snapshotWhen?.(info) ?? false);
 		if (!wanted || !this.#sandbox) return {};
 		const snap = await this.#sandbox.snapshot();
-		const ref = await this.#client.putSnapshot(
-			this.task,
-			state,
-			snap.data,
-			snap.driver,
-		);
+		let ref: SnapshotRef;
+		try {
+			ref = await this.#client.putSnapshot(
+				this.task,
+				state,
+				snap.data,
+				snap.driver,
+			);
+		} catch (err) {
+			// Refused for its size or the project's quota: the call stands
+			// without a snapshot (a later miss replays instead of restoring).
+			if (
+				err instanceof TrellisError &&
+				(err.status === 413 || err.code === "quota_exceeded")
+			) {
+				this.#counters.snapshotsRefused++;
+				return {};
+			}
+			throw err;
+		}
 		this.#counters.snapshots++;
 		return { snapshot: ref };
 	}

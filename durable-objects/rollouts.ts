@@ -515,13 +515,24 @@ export class RolloutRunner {
 		);
 		this.graph.notePolicy(id, decision);
 		if (!decision.snapshot) return;
-		const snap = await this.hosts.call<SnapshotResponse>(
-			host,
-			"POST",
-			`/sandboxes/${sandboxId}/snapshot`,
-			{ task: this.scope().task, state: id },
-			HOST_TIMEOUT_MS,
-		);
+		let snap: SnapshotResponse;
+		try {
+			snap = await this.hosts.call<SnapshotResponse>(
+				host,
+				"POST",
+				`/sandboxes/${sandboxId}/snapshot`,
+				{ task: this.scope().task, state: id },
+				HOST_TIMEOUT_MS,
+			);
+		} catch (err) {
+			// The call is recorded already; a snapshot refused (too large, past
+			// the project's quota) only leaves the state without one.
+			if (err instanceof HostRefused) {
+				console.warn(`no snapshot of ${id}: ${err.code}: ${err.message}`);
+				return;
+			}
+			throw err;
+		}
 		this.#learn(template.driver, "snapshot", snap.snapshotMs);
 		const ref = { driver: snap.driver, key: snap.key, bytes: snap.bytes };
 		// The upload awaited the host: the node may have been evicted, or have

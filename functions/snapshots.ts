@@ -211,7 +211,13 @@ snapshots.put("/:task/snapshots/:state", taskScope, blobs, async (c) => {
 		await c.env.BLOBS.delete(key).catch((e: unknown) =>
 			console.error("could not delete an unindexed snapshot blob", key, e),
 		);
-		throw err;
+		console.error("the task graph did not take note of an upload", err);
+		throw apiError(
+			503,
+			"unavailable",
+			"the task graph did not answer; the upload was taken back, retry",
+			{ "Retry-After": "1" },
+		);
 	}
 	const ref: SnapshotRef = { driver, key, bytes: put.value.size };
 	return c.json(ref, 201);

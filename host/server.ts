@@ -642,15 +642,22 @@ export function createHost(options: HostOptions): Host {
 			);
 		} catch (err) {
 			if (err instanceof TrellisError)
-				// Too large is the snapshot's fault, not the host's: the
-				// Worker should not count it as a host failure.
+				// A refusal (too large, over the project's quota) is the
+				// snapshot's, not the host's: passed on as a 4xx, the Worker
+				// does not count it as a host failure.
 				throw err.status === 413
 					? hostError(413, "snapshot_too_large", err.message)
-					: hostError(
-							502,
-							"worker_error",
-							`uploading the snapshot failed: ${err.message}`,
-						);
+					: err.status >= 400 && err.status < 500 && err.status !== 429
+						? hostError(
+								err.status as ContentfulStatusCode,
+								err.code,
+								err.message,
+							)
+						: hostError(
+								502,
+								"worker_error",
+								`uploading the snapshot failed: ${err.message}`,
+							);
 			throw err;
 		}
 		const snapshotMs = performance.now() - started;

@@ -360,7 +360,7 @@ export class WorkspaceSandbox implements Sandbox {
 		const shell = [
 			"bash",
 			"-c",
-			'exec 2>&1; CDPATH= cd -- "$2" || exit 1; exec bash -c "$1"',
+			'exec 2>&1; CDPATH= cd -- "./$2" || exit 1; exec bash -c "$1"',
 			"bash",
 			command.cmd,
 			path.relative(this.dir, cwd) || ".",
@@ -433,10 +433,10 @@ export class WorkspaceSandbox implements Sandbox {
 		// hold the pipe open for good: keep what arrives within a short
 		// grace, then stop waiting and close the pipes (the job gets EPIPE).
 		let grace: NodeJS.Timeout | undefined;
-		await Promise.race([
-			drained,
-			new Promise((resolve) => {
-				grace = setTimeout(resolve, DRAIN_GRACE_MS);
+		const held = await Promise.race([
+			drained.then(() => false),
+			new Promise<boolean>((resolve) => {
+				grace = setTimeout(() => resolve(true), DRAIN_GRACE_MS);
 			}),
 		]);
 		clearTimeout(grace);
@@ -451,6 +451,10 @@ export class WorkspaceSandbox implements Sandbox {
 		let output = Buffer.concat(chunks).toString("utf8");
 		if (dropped > 0) output += `\n[output truncated: ${dropped} more bytes]\n`;
 		if (timedOut) output += `\n[timed out after ${timeoutMs} ms]\n`;
+		// Said in the output, so a reader of the cached result knows it may
+		// be short of what the stray process wrote later.
+		if (held)
+			output += `\n[output cut: a process outside the command's group held it open]\n`;
 		const exitCode = timedOut
 			? 124
 			: (code ?? 128 + (signal ? (constants.signals[signal] ?? 0) : 0));

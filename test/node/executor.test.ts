@@ -84,13 +84,13 @@ class TestFaultyClient extends TrellisClient {
 		[];
 	onRenew: () => void = () => {};
 
-	/** Makes the next `method` call fail with a 503 whose code is `injected_<method>`. */
-	fail(method: Faulty): void {
+	/** Makes the next `method` call fail, by default with a 503 whose code is `injected_<method>`. */
+	fail(method: Faulty, status = 503, code = `injected_${method}`): void {
 		this.#armed.set(
 			method,
 			new TrellisError({
-				status: 503,
-				code: `injected_${method}`,
+				status,
+				code,
 				message: `${method} failed (injected)`,
 			}),
 		);
@@ -380,6 +380,35 @@ describe("CachedToolExecutor when something fails", () => {
 				"x\ny\n",
 			);
 			expect(a.depth).toBe(2);
+		},
+	);
+
+	it.each([
+		[403, "quota_exceeded"],
+		[413, "too_large"],
+	])(
+		"a snapshot upload refused with %i %s leaves the call recorded without a snapshot",
+		async (status, code) => {
+			const { rollout } = await world(`refused-${status}`);
+			const faulty = faultyClient();
+			const a = rollout({ client: faulty, snapshotEvery: 1 });
+			faulty.fail("putSnapshot", status, code);
+			const first = await a.call("bash", { cmd: "echo x >> f" }, W);
+			expect(first.status).toBe("miss");
+			expect(a.counters).toMatchObject({ snapshots: 0, snapshotsRefused: 1 });
+			await a.call("bash", { cmd: "echo y >> f" }, W);
+			expect(a.counters).toMatchObject({ snapshots: 1, snapshotsRefused: 1 });
+			expect((await a.call("bash", { cmd: "cat f" }, RO)).output).toBe(
+				"x\ny\n",
+			);
+			// Recorded: a second rollout gets both calls as hits.
+			const b = rollout({ client: faulty });
+			expect((await b.call("bash", { cmd: "echo x >> f" }, W)).status).toBe(
+				"hit",
+			);
+			expect((await b.call("bash", { cmd: "echo y >> f" }, W)).status).toBe(
+				"hit",
+			);
 		},
 	);
 

@@ -93,6 +93,10 @@ describe("WorkspaceSandbox", () => {
 			);
 			expect(Date.now() - t0).toBeLessThan(5000);
 			expect(r.output).toContain("hi");
+			// Said, so a cached result does not pass for the whole output.
+			expect(r.output).toContain(
+				"[output cut: a process outside the command's group held it open]",
+			);
 			expect(r.exitCode).toBe(0);
 		} finally {
 			const pid = Number(
