@@ -466,7 +466,6 @@ export class TaskGraph extends DurableObject<Env> {
 		};
 		const attached: string[] = [];
 		const lookup = (id: string) => added.get(id) ?? this.#index.get(id);
-		const inlineMax = Math.min(input.inlineMaxBytes, ROW_INLINE_MAX_BYTES);
 		try {
 			this.ctx.storage.transactionSync(() => {
 				for (const [i, c] of input.calls.entries()) {
@@ -506,8 +505,10 @@ export class TaskGraph extends DurableObject<Env> {
 						const key = blobKeys.get(i) ?? null;
 						const bytes = encoder.encode(c.output).byteLength;
 						// Held when the blobs were written, evicted since: its output
-						// has no blob, and may not fit a row. Taken again by a retry.
-						if (key === null && bytes > inlineMax) throw new EvictedMeanwhile();
+						// has no blob. Inline if a row takes it; else a retry writes
+						// the blob.
+						if (key === null && bytes > ROW_INLINE_MAX_BYTES)
+							throw new EvictedMeanwhile();
 						const kind = c.mutates ? "state" : "result";
 						const depth = c.mutates ? parentNode.depth + 1 : parentNode.depth;
 						this.#q.insertNode.run({

@@ -383,6 +383,40 @@ describe("a record's transaction", () => {
 		expectError(await rec, 409, "unknown_state");
 		expect((await t.stats()).body.nodes).toBe(1);
 	});
+
+	it("answers a retryable 503 when a call with a large output is evicted while the record awaits R2", async () => {
+		const graph = stub("held-evicted");
+		const scope = { project: "races", task: "held-evicted" };
+		// Over a row's 1 MiB: such an output only ever goes to R2.
+		const huge = "h".repeat(1_100_000);
+		const [x, y] = keyed(ROOT_ID, [
+			{ tool: "bash", args: { cmd: "x" }, mutates: true, output: huge },
+			{ tool: "bash", args: { cmd: "y" }, mutates: true, output: BIG },
+		]);
+		const input = { from: ROOT_ID, calls: [x], inlineMaxBytes: 1024 };
+		expect((await graph.record(scope, input)).ok).toBe(true);
+		// x is held when the run [x, y] writes its blobs, so x gets none.
+		const g = gate();
+		holdPuts("outputs/races/held-evicted/", g);
+		const rec = graph.record(scope, { ...input, calls: [x, y] });
+		await g.reached();
+		expect((await graph.enforce(budgets({ nodes: 1 }))).nodes).toBe(1);
+		g.open();
+		const r = await rec;
+		expect(r).toMatchObject({
+			ok: false,
+			status: 503,
+			code: "storage_unavailable",
+		});
+		// Nothing of the run was recorded, and a retry records it whole.
+		expect((await graph.stats(scope))!.nodes).toBe(1);
+		vi.restoreAllMocks();
+		const again = await graph.record(scope, { ...input, calls: [x, y] });
+		expect(again.ok && again.value.results.map((res) => res.status)).toEqual([
+			"recorded",
+			"recorded",
+		]);
+	});
 });
 
 describe("restarts", () => {
