@@ -672,8 +672,14 @@ describe("time limits", () => {
 
 	it("a snapshot upload the server stops reading ends as a retryable timeout", async () => {
 		let requests = 0;
+		const framing: (string | undefined)[] = [];
 		const server = createServer((req) => {
 			requests++;
+			// What Node's own fetch put on the wire for the streamed body.
+			framing.push(
+				req.headers["content-length"],
+				req.headers["transfer-encoding"],
+			);
 			req.pause(); // reads nothing, answers nothing
 		});
 		const url = await listen(server);
@@ -694,6 +700,14 @@ describe("time limits", () => {
 				true,
 			]);
 			expect(requests).toBe(2);
+			// The Worker streams a blob into R2, which needs its length first:
+			// a stream body goes with its length, not chunked.
+			expect(framing).toEqual([
+				String(blob.length),
+				undefined,
+				String(blob.length),
+				undefined,
+			]);
 		} finally {
 			await close(server);
 		}
