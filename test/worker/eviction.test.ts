@@ -3,13 +3,7 @@
  * (issue 4's faults 2, 4, 5, 7 and 10 among them).
  */
 import { env } from "cloudflare:workers";
-import {
-	createExecutionContext,
-	createScheduledController,
-	runDurableObjectAlarm,
-	runInDurableObject,
-	waitOnExecutionContext,
-} from "cloudflare:test";
+import { runDurableObjectAlarm, runInDurableObject } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
 import { advanceClock, now } from "../../core/clock.ts";
 import {
@@ -19,7 +13,6 @@ import {
 	subtreesToEvict,
 	type EvictionNode,
 } from "../../core/eviction.ts";
-import worker from "../../functions/index.ts";
 import { sweep } from "../../functions/scheduled.ts";
 import {
 	ROOT_ID,
@@ -32,6 +25,7 @@ import {
 	taskApi,
 	snapshotBlob,
 	stateAfter,
+	runCron,
 } from "./helpers.ts";
 
 const node = (
@@ -352,16 +346,6 @@ describe("budgets in a task graph", () => {
 });
 
 describe("the cron sweep", () => {
-	async function runCron() {
-		const ctx = createExecutionContext();
-		const controller = createScheduledController({
-			scheduledTime: now(),
-			cron: "*/5 * * * *",
-		});
-		await worker.scheduled(controller, env, ctx);
-		await waitOnExecutionContext(ctx);
-	}
-
 	it("deletes blobs no node points at after the grace period, and keeps those in use (fault 2)", async () => {
 		await setBudgets({ snapshots: 100, nodes: 1000 });
 		const t = taskApi(keys.trainer, "orphans");

@@ -1,12 +1,14 @@
 /** Requests against the Worker under test, with a project and keys per test file. */
 import {
 	createExecutionContext,
+	createScheduledController,
 	waitOnExecutionContext,
 } from "cloudflare:test";
 import { env, exports } from "cloudflare:workers";
 import { expect } from "vitest";
 import worker from "../../functions/index.ts";
 import type { Call, RecordedCall, SnapshotRef } from "../../core/api.ts";
+import { now } from "../../core/clock.ts";
 import { ROOT_ID, callKey, childId } from "../../core/ids.ts";
 
 export const ROOT_KEY = "test-root-admin-key";
@@ -174,4 +176,15 @@ export async function snapshotBlob(
 		customMetadata: { driver: "workspace" },
 	});
 	return { driver: "workspace", key, bytes };
+}
+
+/** Runs the Worker's cron once, at the test clock's now, to its end. */
+export async function runCron(): Promise<void> {
+	const ctx = createExecutionContext();
+	const controller = createScheduledController({
+		scheduledTime: now(),
+		cron: "*/5 * * * *",
+	});
+	await worker.scheduled(controller, env, ctx);
+	await waitOnExecutionContext(ctx);
 }

@@ -1,13 +1,7 @@
 import { env } from "cloudflare:workers";
-import {
-	createExecutionContext,
-	createScheduledController,
-	runDurableObjectAlarm,
-	waitOnExecutionContext,
-} from "cloudflare:test";
+import { runDurableObjectAlarm } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
-import { advanceClock, now } from "../../core/clock.ts";
-import worker from "../../functions/index.ts";
+import { advanceClock } from "../../core/clock.ts";
 import {
 	ROOT_ID,
 	ROOT_KEY,
@@ -18,6 +12,7 @@ import {
 	run,
 	taskApi,
 	stateAfter,
+	runCron,
 } from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;
@@ -305,15 +300,6 @@ describe("snapshot refs in a record", () => {
 
 // These move the clock (an hour and more): they come last in the file.
 describe("uploads whose record never comes", () => {
-	async function runCron() {
-		const ctx = createExecutionContext();
-		const controller = createScheduledController({
-			scheduledTime: now(),
-			cron: "*/5 * * * *",
-		});
-		await worker.scheduled(controller, env, ctx);
-		await waitOnExecutionContext(ctx);
-	}
 	const stub = (project: string, task: string) =>
 		env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`${project}/${task}`));
 
