@@ -298,6 +298,40 @@ describe("snapshot refs in a record", () => {
 	});
 });
 
+describe("an upload the task graph cannot take note of", () => {
+	it("answers 503 with Retry-After and takes the blob back", async () => {
+		// A task graph that fails when told of the upload: the one fault here
+		// that the real object cannot be made to produce on demand.
+		const down: Env = {
+			...env,
+			TASK_GRAPH: {
+				idFromName: (name: string) => env.TASK_GRAPH.idFromName(name),
+				get: () => ({
+					noteUpload: async () => {
+						throw new Error("the object is gone");
+					},
+				}),
+			} as unknown as Env["TASK_GRAPH"],
+		};
+		const state = "c".repeat(64);
+		const r = await api(
+			"PUT",
+			`/v1/tasks/unnoted/snapshots/${state}?driver=workspace`,
+			{
+				key: keys.host,
+				body: bytes(4),
+				headers: { "content-length": "4" },
+				env: down,
+			},
+		);
+		expectError(r, 503, "unavailable");
+		expect(r.headers.get("retry-after")).toBe("1");
+		expect(
+			(await env.BLOBS.list({ prefix: "snapshots/snaps/unnoted/" })).objects,
+		).toHaveLength(0);
+	});
+});
+
 // These move the clock (an hour and more): they come last in the file.
 describe("uploads whose record never comes", () => {
 	const stub = (project: string, task: string) =>
