@@ -32,6 +32,21 @@ function nested(depth: number): unknown {
 
 const call = bash("ls");
 
+/** A record of `call` whose snapshot ref names `snapshotKey`. */
+const recordWithSnapshot = (snapshotKey: string) =>
+	api("POST", `${T}/record`, {
+		key,
+		json: {
+			from: ROOT_ID,
+			calls: [
+				{
+					...run(call, "o"),
+					snapshot: { driver: "workspace", key: snapshotKey, bytes: 1 },
+				},
+			],
+		},
+	});
+
 const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 	["malformed JSON", () => raw(`${T}/lookup`, "{bad"), 400, "invalid_json"],
 	[
@@ -337,45 +352,19 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 	],
 	[
 		"a snapshot ref to another project's blob",
-		() =>
-			api("POST", `${T}/record`, {
-				key,
-				json: {
-					from: ROOT_ID,
-					calls: [
-						{
-							...run(call, "o"),
-							snapshot: {
-								driver: "workspace",
-								key: "snapshots/other/untouched/x",
-								bytes: 1,
-							},
-						},
-					],
-				},
-			}),
+		() => recordWithSnapshot("snapshots/other/untouched/x"),
 		400,
 		"invalid_snapshot",
 	],
 	[
 		"a snapshot ref to an output blob",
-		() =>
-			api("POST", `${T}/record`, {
-				key,
-				json: {
-					from: ROOT_ID,
-					calls: [
-						{
-							...run(call, "o"),
-							snapshot: {
-								driver: "workspace",
-								key: "outputs/bad/untouched/x",
-								bytes: 1,
-							},
-						},
-					],
-				},
-			}),
+		() => recordWithSnapshot("outputs/bad/untouched/x"),
+		400,
+		"invalid_snapshot",
+	],
+	[
+		"a snapshot ref to a blob of another state of the task",
+		() => recordWithSnapshot(`snapshots/bad/untouched/${"b".repeat(64)}/x`),
 		400,
 		"invalid_snapshot",
 	],
