@@ -45,7 +45,6 @@ import {
 	subtreeIds,
 	subtrees,
 	subtreesToEvict,
-	usageOf,
 	type Budgets,
 	type EvictionNode,
 	type Graph,

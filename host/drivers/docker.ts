@@ -42,7 +42,6 @@ import type {
 	ExecResult,
 	Sandbox,
 	SandboxFactory,
-	SandboxSnapshot,
 	SnapshotSource,
 } from "../../client/sandbox.ts";
 import { commandOf, defaultMutates, timeLimit } from "./workspace.ts";

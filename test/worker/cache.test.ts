@@ -24,7 +24,6 @@ import {
 	taskApi,
 	unsizedBody,
 	snapshotBlob,
-	stateAfter,
 } from "./helpers.ts";
 
 let keys: Awaited<ReturnType<typeof project>>;

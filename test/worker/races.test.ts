@@ -10,7 +10,7 @@
 import { env } from "cloudflare:workers";
 import { abortAllDurableObjects, runDurableObjectAlarm } from "cloudflare:test";
 import { afterEach, beforeAll, describe, expect, it, vi } from "vitest";
-import { advanceClock, now } from "../../core/clock.ts";
+import { advanceClock } from "../../core/clock.ts";
 import type { Budgets } from "../../core/eviction.ts";
 import { pathIds } from "../../core/ids.ts";
 import type { SweepInput } from "../../durable-objects/task-graph.ts";
