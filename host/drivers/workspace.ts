@@ -17,6 +17,7 @@
  * whoever holds a cache client (the executor, the host) moves them.
  */
 import { execFile, spawn } from "node:child_process";
+import { readFileSync, readdirSync } from "node:fs";
 import {
 	mkdir,
 	mkdtemp,
@@ -333,6 +334,9 @@ export class WorkspaceSandbox implements Sandbox {
 	 * Runs the call's command with `bash -c` in the directory: stdout and
 	 * stderr through one pipe, in the order written, cut at the output cap.
 	 * A timeout kills the command's process group and gives exit code 124.
+	 * When the command ends, so do the processes it left, background and
+	 * `setsid` jobs included: the sandbox's state is its files. One exec at
+	 * a time per sandbox (the executor and the host queue them).
 	 * A `cwd` that is not a directory fails the command (exit code 1), as
 	 * the Docker driver's does: a failed command is a result, not an error.
 	 */
@@ -385,8 +389,10 @@ export class WorkspaceSandbox implements Sandbox {
 				LANG: "C.UTF-8",
 				LC_ALL: "C.UTF-8",
 				TERM: "dumb",
-				TRELLIS_WORKSPACE: home,
 				...this.#options.env,
+				// Last, so the caller's env cannot change it: unique to this
+				// sandbox without isolation, it is how strays are found.
+				TRELLIS_WORKSPACE: home,
 			},
 			stdio: ["ignore", "pipe", isolated ? "pipe" : "ignore"],
 			detached: true,
@@ -429,9 +435,12 @@ export class WorkspaceSandbox implements Sandbox {
 				resolve([c, s]);
 			});
 		}).finally(() => clearTimeout(timer));
-		// A job that left the session (setsid) escapes killGroup and may
-		// hold the pipe open for good: keep what arrives within a short
-		// grace, then stop waiting and close the pipes (the job gets EPIPE).
+		// Jobs that left the group (setsid) go the same way, found by the
+		// sandbox's variable; under bubblewrap the PID namespace ends them.
+		if (!isolated) killStrays(home, pgid);
+		// One that also cleared its environment escapes both and may hold
+		// the pipe open for good: keep what arrives within a short grace,
+		// then stop waiting and close the pipes (the job gets EPIPE).
 		let grace: NodeJS.Timeout | undefined;
 		const held = await Promise.race([
 			drained.then(() => false),
@@ -530,6 +539,7 @@ export class WorkspaceSandbox implements Sandbox {
 		for (const pgid of this.#running) killGroup(pgid);
 		this.#running.clear();
 		const dir = this.#dir;
+		if (dir !== null && this.#isolation === "none") killStrays(dir);
 		this.#dir = null;
 		this.#isolation = null;
 		if (dir !== null) await rm(dir, { recursive: true, force: true });
@@ -549,6 +559,60 @@ export class WorkspaceSandbox implements Sandbox {
 			throw new TypeError(`cwd ${relative} is outside the workspace`);
 		return full;
 	}
+}
+
+/**
+ * Kills every process of this user whose environment says it belongs to
+ * the sandbox at `dir` (`TRELLIS_WORKSPACE`, which children inherit across
+ * `setsid`, `nohup` and double forks), by reading /proc; elsewhere than
+ * Linux it finds none. The environment is the process's initial one, so a
+ * job that replaced it (`env -i`) is not found. With `since`, only pids
+ * from it up are read: Linux hands out pids in increasing order, so a
+ * command's strays are there unless the pids wrapped meanwhile, and
+ * `stop()`'s full sweep still finds those. Reading every process's
+ * environment costs about 25 µs each here; the range keeps an exec's sweep
+ * to the processes born since it began. Written here because no package
+ * does it: tree-kill and its kin walk parent links, which a daemonized job
+ * has cut.
+ */
+export function killStrays(dir: string, since = 0): number {
+	const mark = Buffer.from(`TRELLIS_WORKSPACE=${dir}\0`);
+	let names: string[];
+	try {
+		names = readdirSync("/proc");
+	} catch {
+		return 0;
+	}
+	let killed = 0;
+	for (const name of names) {
+		const pid = Number(name);
+		if (!Number.isInteger(pid) || pid < since || pid === process.pid) continue;
+		let environ: Buffer;
+		try {
+			environ = readFileSync(`/proc/${pid}/environ`);
+		} catch {
+			continue; // gone, or another user's
+		}
+		if (!hasEntry(environ, mark)) continue;
+		try {
+			process.kill(pid, "SIGKILL");
+			killed++;
+		} catch {
+			// Gone meanwhile.
+		}
+	}
+	return killed;
+}
+
+/** Whether a NUL-separated environment holds `entry` (which ends in NUL). */
+function hasEntry(environ: Buffer, entry: Buffer): boolean {
+	for (
+		let at = environ.indexOf(entry);
+		at !== -1;
+		at = environ.indexOf(entry, at + 1)
+	)
+		if (at === 0 || environ[at - 1] === 0) return true;
+	return false;
 }
 
 function killGroup(pgid: number | undefined): void {

@@ -3,7 +3,7 @@
  * tarballs, real bubblewrap. No cache is involved.
  */
 import { randomBytes } from "node:crypto";
-import { existsSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
 import { readFile, readdir } from "node:fs/promises";
 import { createServer, type AddressInfo } from "node:net";
 import path from "node:path";
@@ -27,6 +27,16 @@ beforeAll(async () => {
 	root = await tmp("ws");
 });
 afterAll(cleanTmp);
+
+/** Whether a process exists and is not a zombie waiting to be reaped. */
+function alive(pid: number): boolean {
+	try {
+		const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+		return !/^\d+ \(.*\) Z/.test(stat);
+	} catch {
+		return false;
+	}
+}
 
 async function started(
 	options: Partial<ConstructorParameters<typeof WorkspaceSandbox>[0]> = {},
@@ -78,16 +88,70 @@ describe("WorkspaceSandbox", () => {
 		await sb.stop();
 	});
 
-	it("returns when the command exits even if a job that left its session (setsid) holds the output open", async () => {
-		// The job escapes the process-group kill; waiting for the pipe to
-		// close would wait for it, forever for a daemon.
-		const sb = await started({ timeoutMs: 500 });
-		const t0 = Date.now();
+	it("kills a job that left its session (setsid) when the command exits, as it kills background jobs", async () => {
+		// killGroup cannot reach it: it is found by the sandbox's variable.
+		const sb = await started({ timeoutMs: 5000 });
 		try {
 			// The wait makes sure the job has left before the command exits.
+			const t0 = Date.now();
 			const r = await sb.exec(
 				sh(
 					"setsid sh -c 'echo $$ > stray.pid; exec sleep 30' & " +
+						"until [ -s stray.pid ]; do sleep 0.05; done; echo hi",
+				),
+			);
+			expect(r.output).toBe("hi\n");
+			expect(r.exitCode).toBe(0);
+			// Killed, not waited for: well under the drain grace of 1 s.
+			expect(Date.now() - t0).toBeLessThan(900);
+			const pid = Number(
+				await readFile(path.join(sb.dir, "stray.pid"), "utf8"),
+			);
+			expect(alive(pid)).toBe(false);
+		} finally {
+			await sb.stop();
+		}
+	}, 15_000);
+
+	it("kills a daemon that closed its output when the sandbox stops, and leaves other sandboxes' alone", async () => {
+		const a = await started();
+		const b = await started();
+		const daemon =
+			"setsid nohup sh -c 'echo $$ > d.pid; exec sleep 30' >/dev/null 2>&1 < /dev/null & " +
+			"until [ -s d.pid ]; do sleep 0.05; done";
+		// A direct library user may run a long-lived job in a command of its
+		// own; the strays of the command are gone when it returns.
+		await a.exec(sh(daemon));
+		const aPid = Number(await readFile(path.join(a.dir, "d.pid"), "utf8"));
+		expect(alive(aPid)).toBe(false);
+		// One started by hand under b's variable, outside any exec, is b's:
+		// stopping a leaves it, stopping b kills it.
+		const { spawn } = await import("node:child_process");
+		const stray = spawn("sleep", ["30"], {
+			env: { ...process.env, TRELLIS_WORKSPACE: b.dir },
+			detached: true,
+			stdio: "ignore",
+		});
+		try {
+			await a.stop();
+			expect(alive(stray.pid!)).toBe(true);
+			await b.stop();
+			await new Promise((r) => setTimeout(r, 100));
+			expect(alive(stray.pid!)).toBe(false);
+		} finally {
+			if (alive(stray.pid!)) process.kill(stray.pid!, "SIGKILL");
+		}
+	}, 15_000);
+
+	it("returns when the command exits even if a job that cleared its environment holds the output open", async () => {
+		// Such a job escapes both kills; waiting for the pipe to close would
+		// wait for it, forever for a daemon.
+		const sb = await started({ timeoutMs: 500 });
+		const t0 = Date.now();
+		try {
+			const r = await sb.exec(
+				sh(
+					"setsid env -i sh -c 'echo $$ > stray.pid; exec sleep 30' & " +
 						"until [ -s stray.pid ]; do sleep 0.05; done; echo hi",
 				),
 			);
