@@ -187,15 +187,15 @@ const READ_ONLY = new Set([
 	"od",
 	"xxd",
 ]);
-const READ_ONLY_GIT = new Set([
-	"status",
-	"log",
-	"diff",
-	"show",
-	"ls-files",
-	"rev-parse",
-	"blame",
-]);
+/**
+ * Git's reads, but only those a repository's own config cannot turn into a
+ * program run: `status` and `ls-files` run `core.fsmonitor`, `diff`,
+ * `show`, `log -p` and `blame` run external diffs and textconv filters,
+ * and `log` a signature's `gpg.program`. A sandbox writes its `.git/config`
+ * as freely as any file, so those count as state-changing; a caller that
+ * trusts its repositories can say `mutates: false` on the call.
+ */
+const READ_ONLY_GIT = new Set(["rev-parse"]);
 
 /**
  * Options that make a reading command write a file or run a program, by
@@ -209,8 +209,6 @@ const WRITING_OPTIONS: Record<string, { short?: string; long?: string[] }> = {
 	sort: { short: "o", long: ["--o", "--co"] },
 	// -o file; -R runs tree again with `-o 00Tree.html` in each directory
 	tree: { short: "oR", long: ["--o"] },
-	// --output=f, which log, show and diff all take
-	git: { long: ["--o"] },
 	// --pre runs a program on every file searched
 	rg: { long: ["--pre"] },
 	// -C compiles a magic file into a new .mgc file
