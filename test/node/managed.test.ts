@@ -99,7 +99,62 @@ const M2 = sh("patch", "echo 'print(2)' > repo/foo.py && echo patched");
 const M3 = sh("build", "sha256sum repo/foo.py > repo/sum && cat repo/sum");
 const CAT = sh("cat", "cat repo/foo.py", false);
 
+/** Sets the stack's project budgets as its admin. */
+async function putBudgets(budgets: Record<string, number>): Promise<void> {
+	const res = await fetch(`${stack.url}/v1/projects/${stack.project}/budgets`, {
+		method: "PUT",
+		headers: {
+			authorization: `Bearer ${stack.adminKey}`,
+			"content-type": "application/json",
+		},
+		body: JSON.stringify(budgets),
+	});
+	expect(res.status).toBe(200);
+}
+
 describe("managed rollouts", () => {
+	// First in the file: the project holds nothing yet, so a quota of one
+	// byte lets records through and refuses any snapshot blob.
+	it("records a call whose snapshot the project's quota refuses, without the snapshot, and keeps the host", async () => {
+		const task = taskName("refused");
+		const SLOW = sh("refused-slow", "sleep 0.5; echo built > a && echo done");
+		await putBudgets({ projectBytes: 1 });
+		try {
+			const a = await rollout(task);
+			const first = await a.call(SLOW);
+			expect(first).toMatchObject({
+				output: "done\n",
+				exitCode: 0,
+				hit: false,
+			});
+			// The host was not dropped for the refusal: the rollout goes on in
+			// its sandbox.
+			const next = await a.call(sh("refused-next", "cat a"));
+			expect(next.output).toBe("built\n");
+			expect(next.plan).toEqual({ kind: "live", from: 1, replayed: 0 });
+			await a.close();
+
+			const page = await client.graph(task);
+			const slow = page.nodes.find((n: GraphNode) =>
+				JSON.stringify(n.args).includes("refused-slow"),
+			)!;
+			// The rule wanted a snapshot; the quota refused its blob.
+			expect(slow.policy).toMatchObject({ snapshot: true });
+			expect(slow.snapshot).toBeNull();
+			expect((await client.stats(task)).snapshots).toBe(0);
+		} finally {
+			await putBudgets({ projectBytes: 1 << 30 });
+		}
+		// With no snapshot to restore, a later miss below it replays the call.
+		const b = await rollout(task);
+		expect((await b.call(SLOW)).hit).toBe(true);
+		const miss = await b.call(sh("refused-after", "cat a"));
+		expect(miss.output).toBe("built\n");
+		expect(miss.plan).toMatchObject({ from: 0, replayed: 1 });
+		expect(await ran("refused-slow")).toBe(2);
+		await b.close();
+	});
+
 	it("runs a GRPO group's identical first call once; the others are coalesced hits", async () => {
 		const task = taskName("group");
 		const slow = sh(
