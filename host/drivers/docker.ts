@@ -1032,7 +1032,7 @@ export async function refuseNamedArchive(data: Uint8Array): Promise<void> {
 	if (bytes[0] === 0x1f && bytes[1] === 0x8b)
 		// Chunks of 1 MiB, not zlib's 16 KiB: the reader's per-chunk work
 		// then stops dominating, and a 128 MiB archive is read in about a
-		// tenth of the time (docs/benchmarks-e2e.md).
+		// quarter of the time (docs/benchmarks-e2e.md).
 		stream = stream.pipe(createGunzip({ chunkSize: 1 << 20 }));
 	else if (bytes.subarray(257, 262).toString("latin1") !== "ustar")
 		refuse("is neither a tar nor a gzipped tar");
