@@ -23,6 +23,8 @@ export default defineConfig({
 								// Small, so tests can push outputs into R2 cheaply.
 								OUTPUT_INLINE_MAX_BYTES: "1024",
 								OUTPUT_MAX_BYTES: "262144",
+								// Small, so a test can see the eviction log let old rows go.
+								EVICTION_LOG_ROWS: "6",
 							},
 							// A second limiter with a tiny limit, which the rate limit
 							// tests put in RATE_LIMITER's place: the real one stays

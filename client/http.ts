@@ -7,6 +7,7 @@
 import type {
 	CreatedKey,
 	ErrorBody,
+	EvictionLogPage,
 	GraphPage,
 	Hit,
 	KeyInfo,
@@ -431,6 +432,22 @@ export class TrellisClient {
 		return this.#json({
 			method: "GET",
 			path: `/v1/tasks/${enc(task)}/graph`,
+			query,
+			retry: "idempotent",
+		});
+	}
+
+	/**
+	 * `GET /v1/tasks/:task/evictions`: one page of what eviction took from
+	 * the task (nodes and snapshots), oldest first.
+	 */
+	evictions(
+		task: string,
+		query: { after?: number; limit?: number } = {},
+	): Promise<EvictionLogPage> {
+		return this.#json({
+			method: "GET",
+			path: `/v1/tasks/${enc(task)}/evictions`,
 			query,
 			retry: "idempotent",
 		});

@@ -20,6 +20,7 @@ export const LIMITS = {
 	/** A snapshot blob uploaded through the Worker. */
 	snapshotBody: 512 << 20,
 	graphPage: 1000,
+	evictionLogPage: 1000,
 	minLeaseTtlMs: 1,
 } as const;
 
@@ -180,6 +181,15 @@ export const GraphQuery = z.object({
 	after: z.coerce.number().int().min(0).optional(),
 	limit: z.coerce.number().int().min(1).max(LIMITS.graphPage).default(500),
 });
+export const EvictionLogQuery = z.object({
+	after: z.coerce.number().int().min(0).optional(),
+	limit: z.coerce
+		.number()
+		.int()
+		.min(1)
+		.max(LIMITS.evictionLogPage)
+		.default(500),
+});
 export const TaskListQuery = z.object({
 	after: TaskName.optional(),
 	limit: z.coerce.number().int().min(1).max(1000).default(100),
@@ -332,6 +342,26 @@ export interface GraphPage {
 	nodes: GraphNode[];
 	/** Pass as `after` for the next page; null on the last. */
 	next: number | null;
+}
+
+/** One thing eviction took: a node (and so its output), or a node's snapshot. */
+export interface EvictionEntry {
+	/** Orders the log; pass the last as `after` for what came later. */
+	seq: number;
+	/** The node: a state id, or a stateless call's result id. */
+	id: string;
+	/** `node_budget`: the node went, with its subtree; `snapshot_budget`: its snapshot did. */
+	reason: "node_budget" | "snapshot_budget";
+	tool: string | null;
+	/** When, in ms since the epoch. */
+	at: number;
+}
+export interface EvictionLogPage {
+	evictions: EvictionEntry[];
+	/** Pass as `after` for the next page; null on the last. */
+	next: number | null;
+	/** Older entries the log no longer holds (it keeps the newest `EVICTION_LOG_ROWS`, 50,000 by default). */
+	dropped: number;
 }
 
 /** A project, as `POST /v1/projects` returns it. */

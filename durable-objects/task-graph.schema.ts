@@ -133,6 +133,22 @@ export const evictions = sqliteTable("evictions", {
 });
 
 /**
+ * What eviction took, newest last: a node removed (`node_budget`, with its
+ * whole subtree, one row a node) or a node's snapshot (`snapshot_budget`,
+ * the node stays). Kept to the newest `EVICTION_LOG_ROWS` (a Worker
+ * variable); `meta.eviction_log_dropped` counts the rows let go. Read through `GET /v1/tasks/{task}/evictions`.
+ */
+export const evictionLog = sqliteTable("eviction_log", {
+	seq: integer("seq").primaryKey({ autoIncrement: true }),
+	nodeId: text("node_id").notNull(),
+	reason: text("reason", {
+		enum: ["node_budget", "snapshot_budget"],
+	}).notNull(),
+	tool: text("tool"),
+	at: integer("at").notNull(),
+});
+
+/**
  * Blob keys this task deleted (evicted snapshots). Keys are unique per
  * upload, so a deleted key never comes back: a retried record carrying one
  * must not attach it to a node.

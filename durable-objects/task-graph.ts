@@ -27,6 +27,7 @@ import {
 import { migrate } from "drizzle-orm/durable-sqlite/migrator";
 import { createHash } from "node:crypto";
 import type {
+	EvictionLogPage,
 	GraphPage,
 	Lease,
 	Miss,
@@ -69,6 +70,7 @@ import {
 import {
 	conflictOutputs,
 	deletedBlobs,
+	evictionLog,
 	evictions,
 	leases,
 	meta,
@@ -1156,6 +1158,7 @@ export class TaskGraph extends DurableObject<Env> {
 				const rows = this.#db
 					.select({
 						id: nodes.id,
+						tool: nodes.tool,
 						key: nodes.snapshotKey,
 						bytes: nodes.snapshotBytes,
 					})
@@ -1166,6 +1169,7 @@ export class TaskGraph extends DurableObject<Env> {
 					if (r.key?.startsWith("snapshots/")) snapshotKeys.add(r.key);
 					snapshotBytesFreed += r.bytes ?? 0;
 				}
+				this.#logEvictions("snapshot_budget", rows, at);
 				this.#db
 					.update(nodes)
 					.set({ snapshotDriver: null, snapshotKey: null, snapshotBytes: null })
@@ -1177,6 +1181,7 @@ export class TaskGraph extends DurableObject<Env> {
 				const rows = this.#db
 					.select({
 						id: nodes.id,
+						tool: nodes.tool,
 						outputKey: nodes.outputKey,
 						outputBytes: nodes.outputBytes,
 						snapshotKey: nodes.snapshotKey,
@@ -1191,6 +1196,7 @@ export class TaskGraph extends DurableObject<Env> {
 						snapshotKeys.add(r.snapshotKey);
 					nodeBytesFreed += r.outputBytes + (r.snapshotBytes ?? 0);
 				}
+				this.#logEvictions("node_budget", rows, at);
 				this.#db.delete(nodes).where(inArray(nodes.id, ids)).run();
 				this.#db.delete(leases).where(inArray(leases.nodeId, ids)).run();
 			}
@@ -1237,7 +1243,9 @@ export class TaskGraph extends DurableObject<Env> {
 		// Records run during these awaits: #deleteBlobKeys checks each batch
 		// again right before sending it.
 		await this.#deleteBlobKeys(blobKeys);
-		this.#touch();
+		// The index's counts changed; the task was not used: an eviction
+		// must not put off its idle expiry.
+		this.#indexSoon();
 		return {
 			snapshots: dropSnapshots.length,
 			nodes: dropNodes.length,
@@ -1399,6 +1407,7 @@ export class TaskGraph extends DurableObject<Env> {
 				toolStats,
 				rolloutRows,
 				evictions,
+				evictionLog,
 				deletedBlobs,
 				conflictOutputs,
 			]) {
@@ -1445,6 +1454,76 @@ export class TaskGraph extends DurableObject<Env> {
 				.where(eq(deletedBlobs.key, key))
 				.get() !== undefined
 		);
+	}
+
+	/**
+	 * Adds what eviction took to the log (in the eviction's transaction),
+	 * then lets the oldest rows past the log's size go, counting them.
+	 */
+	#logEvictions(
+		reason: "node_budget" | "snapshot_budget",
+		rows: { id: string; tool: string | null }[],
+		at: number,
+	): void {
+		if (rows.length === 0) return;
+		// One statement a chunk: a Durable Object takes at most 100 bound
+		// parameters a statement, and the rows travel as one JSON array.
+		this.#db.run(
+			sql`insert into ${evictionLog} (node_id, reason, tool, at) select r.value ->> 0, ${reason}, r.value ->> 1, ${at} from json_each(${JSON.stringify(rows.map((r) => [r.id, r.tool]))}) as r`,
+		);
+		// EVICTION_LOG_ROWS (wrangler.toml; 50,000 rows of about 100 bytes):
+		// what a task over its node budget evicts in a long while, little
+		// next to the nodes themselves.
+		const keep = Number(this.env.EVICTION_LOG_ROWS) || 50_000;
+		const cut = this.ctx.storage.sql.exec(
+			"delete from eviction_log where seq <= (select max(seq) from eviction_log) - ?",
+			keep,
+		).rowsWritten;
+		if (cut > 0) {
+			const before = Number(
+				this.#db
+					.select({ value: meta.value })
+					.from(meta)
+					.where(eq(meta.key, "eviction_log_dropped"))
+					.get()?.value ?? 0,
+			);
+			this.#setMeta("eviction_log_dropped", String(before + cut));
+		}
+	}
+
+	/**
+	 * The eviction log from after `after` (a row's `seq`), oldest first;
+	 * null for a task that holds nothing, as {@link graph}.
+	 */
+	async evictionLog(
+		after: number,
+		limit: number,
+	): Promise<EvictionLogPage | null> {
+		if (this.#index.size <= 1 && this.#scopeOf() === null) return null;
+		const rows = this.#db
+			.select()
+			.from(evictionLog)
+			.where(gt(evictionLog.seq, after))
+			.orderBy(asc(evictionLog.seq))
+			.limit(limit + 1)
+			.all();
+		const page = rows.slice(0, limit);
+		const dropped = this.#db
+			.select({ value: meta.value })
+			.from(meta)
+			.where(eq(meta.key, "eviction_log_dropped"))
+			.get();
+		return {
+			evictions: page.map((r) => ({
+				seq: r.seq,
+				id: r.nodeId,
+				reason: r.reason,
+				tool: r.tool,
+				at: r.at,
+			})),
+			next: rows.length > limit ? page[page.length - 1]!.seq : null,
+			dropped: Number(dropped?.value ?? 0),
+		};
 	}
 
 	#bumpEviction(reason: string, count: number, bytes: number): void {

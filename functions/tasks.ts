@@ -5,6 +5,7 @@
  */
 import { Hono, type Context } from "hono";
 import {
+	EvictionLogQuery,
 	GraphQuery,
 	Id,
 	LeaseRequest,
@@ -370,6 +371,20 @@ tasks.get(
 		if (stats === null)
 			throw apiError(404, "task_not_found", "this task has nothing recorded");
 		return c.json(stats);
+	},
+);
+
+tasks.get(
+	"/:task/evictions",
+	task,
+	allow(["trainer", "host", "admin"]),
+	valid("query", EvictionLogQuery),
+	async (c) => {
+		const { after, limit } = c.req.valid("query");
+		const page = await graph(c).evictionLog(after ?? 0, limit);
+		if (page === null)
+			throw apiError(404, "task_not_found", "this task has nothing recorded");
+		return c.json(page);
 	},
 );
 

@@ -426,6 +426,30 @@ const cases: [string, () => ReturnType<typeof api>, number, string][] = [
 		"invalid_request",
 	],
 	[
+		"an eviction log page size of 0",
+		() => api("GET", `${T}/evictions?limit=0`, { key }),
+		400,
+		"invalid_request",
+	],
+	[
+		"an eviction log page size over the limit",
+		() => api("GET", `${T}/evictions?limit=1001`, { key }),
+		400,
+		"invalid_request",
+	],
+	[
+		"an eviction log position that is negative",
+		() => api("GET", `${T}/evictions?after=-1`, { key }),
+		400,
+		"invalid_request",
+	],
+	[
+		"an eviction log position that is no number",
+		() => api("GET", `${T}/evictions?after=first`, { key }),
+		400,
+		"invalid_request",
+	],
+	[
 		"a snapshot upload without a driver",
 		() => api("PUT", `${T}/snapshots/${ROOT_ID}`, { key, body: "abc" }),
 		400,

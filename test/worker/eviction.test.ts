@@ -122,6 +122,18 @@ beforeAll(async () => {
 	keys = await project("evict");
 });
 
+/** The tasks of project `evict` that the tests below make. */
+const FILE_TASKS = [
+	"snapbudget",
+	"leased",
+	"nodes",
+	"log",
+	"retry",
+	"twice",
+	"orphans",
+	"idle",
+	"evicted-idle",
+];
 const stub = (task: string) =>
 	env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`evict/${task}`));
 const setBudgets = (json: object) =>
@@ -217,6 +229,22 @@ describe("budgets in a task graph", () => {
 		// The graph export shows the scores it decided by.
 		const scored = g.filter((n: { kind: string }) => n.kind !== "root");
 		for (const n of scored) expect(typeof n.score).toBe("number");
+		// The log says which snapshots went; their nodes stay.
+		const log = (await t.evictions()).body;
+		expect(
+			log.evictions.map((e: { id: string; reason: string; tool: string }) => [
+				e.id,
+				e.reason,
+				e.tool,
+			]),
+		).toEqual(
+			expect.arrayContaining([
+				[states[0], "snapshot_budget", "bash"],
+				[states[2], "snapshot_budget", "bash"],
+			]),
+		);
+		expect(log).toMatchObject({ next: null, dropped: 0 });
+		expect(log.evictions).toHaveLength(2);
 	});
 
 	it("never evicts a leased snapshot, and evicts it once the lease expires (faults 4 and 10)", async () => {
@@ -280,6 +308,81 @@ describe("budgets in a task graph", () => {
 			full.body.replay.map((c: { args: { cmd: string } }) => c.args.cmd),
 		).toEqual(["cold", "cold2"]);
 		expect(hot.body.state).not.toBe(cold.body.state);
+		// The log names every node that went, and nothing else.
+		const recorded = [
+			stateAfter(bash("hot")),
+			hot.body.state,
+			stateAfter(bash("cold")),
+			cold.body.state,
+		];
+		const kept = new Set(
+			(await t.graph()).body.nodes.map((n: { id: string }) => n.id),
+		);
+		const log = (await t.evictions()).body.evictions;
+		expect(log.map((e: { id: string }) => e.id).sort()).toEqual(
+			recorded.filter((id) => !kept.has(id)).sort(),
+		);
+		expect(log).toHaveLength(stats.evictions.node_budget.count);
+		for (const e of log) {
+			expect(e).toMatchObject({ reason: "node_budget", tool: "bash" });
+			expect(e.at).toBeLessThanOrEqual(now());
+		}
+	});
+
+	it("keeps a log of what eviction took, in pages, letting the oldest go past its size and counting them", async () => {
+		await setBudgets({ snapshots: 100, nodes: 3 });
+		const t = taskApi(keys.trainer, "log");
+		// Each branch is colder than the last, so the newest stays and the
+		// others go in the order they came.
+		for (let i = 0; i < 10; i++) {
+			await t.record({ from: ROOT_ID, calls: [run(bash(`b${i}`), "o", 1)] });
+			await runDurableObjectAlarm(stub("log"));
+		}
+		const stats = (await t.stats()).body;
+		const evicted = stats.evictions.node_budget.count;
+		expect(evicted).toBeGreaterThan(6);
+		// Read in pages of 2: the same as one page, in the order they went.
+		const whole = (await t.evictions()).body;
+		const paged: { seq: number }[] = [];
+		let after: number | null = 0;
+		while (after !== null) {
+			const page = (await t.evictions(`?after=${after}&limit=2`)).body;
+			expect(page.evictions.length).toBeLessThanOrEqual(2);
+			paged.push(...page.evictions);
+			after = page.next;
+		}
+		expect(paged).toEqual(whole.evictions);
+		const seqs = whole.evictions.map((e: { seq: number }) => e.seq);
+		expect(seqs).toEqual([...seqs].sort((a, b) => a - b));
+		// The test Worker keeps 6 rows (EVICTION_LOG_ROWS): the rest are
+		// counted, and together they are every node evicted.
+		expect(whole.evictions).toHaveLength(6);
+		expect(whole.dropped + whole.evictions.length).toBe(evicted);
+		// What the log names is gone from the graph. (Its outputs may still
+		// be served from the Worker's memory: they never change.)
+		const kept = new Set(
+			(await t.graph()).body.nodes.map((n: { id: string }) => n.id),
+		);
+		for (const e of whole.evictions) expect(kept.has(e.id)).toBe(false);
+		// Any role of the project reads it; another project, or a task that
+		// holds nothing, gets 404; the root key sees no task.
+		expect((await taskApi(keys.host, "log").evictions()).status).toBe(200);
+		const other = await project("evict-log-other");
+		expectError(
+			await taskApi(other.trainer, "log").evictions(),
+			404,
+			"task_not_found",
+		);
+		expectError(
+			await taskApi(keys.trainer, "never").evictions(),
+			404,
+			"task_not_found",
+		);
+		expectError(await taskApi(ROOT_KEY, "log").evictions(), 403, "forbidden");
+		// Reads leave the task's index write pending: let it land now, not in
+		// the middle of a later test's sweep, which counts indexed tasks.
+		for (let i = 0; i < 10 && (await runDurableObjectAlarm(stub("log"))); i++);
+		expect(await runDurableObjectAlarm(stub("log"))).toBe(false);
 	});
 
 	// Found by the soak: a client retrying a record whose answer it lost
@@ -381,6 +484,37 @@ describe("the cron sweep", () => {
 		});
 	});
 
+	it("counts an eviction as no use: a task evicted while idle still expires on time", async () => {
+		await setBudgets({ snapshots: 100, nodes: 1000 });
+		const t = taskApi(keys.trainer, "evicted-idle");
+		await t.record({
+			from: ROOT_ID,
+			calls: [run(bash("x1"), "1", 1), run(bash("x2"), "2", 1)],
+		});
+		await runDurableObjectAlarm(stub("evicted-idle"));
+		const ttl = Number(env.IDLE_TASK_TTL_MS);
+		// Most of the TTL later, a lower budget evicts part of the task.
+		advanceClock(ttl - 10_000);
+		const evicted = await stub("evicted-idle").enforce(
+			(await setBudgets({ nodes: 2 })).body,
+		);
+		expect(evicted.nodes).toBe(1);
+		for (
+			let i = 0;
+			i < 10 && (await runDurableObjectAlarm(stub("evicted-idle")));
+			i++
+		);
+		// Past the TTL since the record, not since the eviction: deleted.
+		advanceClock(10_001);
+		const res = await stub("evicted-idle").sweep({
+			budgets: (await setBudgets({ nodes: 1000 })).body,
+			idleTtlMs: ttl,
+			orphanGraceMs: Number(env.ORPHAN_GRACE_MS),
+		});
+		expect(res.deleted).toBe(true);
+		expectError(await t.stats(), 404, "task_not_found");
+	});
+
 	it("deletes a task idle past the TTL with its blobs, and is safe to run twice at once", async () => {
 		const t = taskApi(keys.trainer, "idle");
 		const big = "z".repeat(5000);
@@ -396,6 +530,10 @@ describe("the cron sweep", () => {
 			(await env.DB.prepare("select count(*) as n from tasks").first<{
 				n: number;
 			}>())!.n;
+		// Index writes still pending land INDEX_FLUSH_DELAY_MS after a use, in
+		// real time: in the middle of the sweeps they would upset the count.
+		for (const name of FILE_TASKS)
+			for (let i = 0; i < 10 && (await runDurableObjectAlarm(stub(name))); i++);
 		const before = await indexed();
 		const [a, b] = await Promise.all([sweep(env, now()), sweep(env, now())]);
 		// Every task idle by now (this file's others too) is deleted by one

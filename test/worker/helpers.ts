@@ -147,6 +147,7 @@ export function taskApi(key: string, task: string, bindings?: Env) {
 		record: (json: unknown) => api("POST", `${base}/record`, { ...o, json }),
 		stats: () => api("GET", `${base}/stats`, o),
 		graph: (q = "") => api("GET", `${base}/graph${q}`, o),
+		evictions: (q = "") => api("GET", `${base}/evictions${q}`, o),
 		result: (id: string) => api("GET", `${base}/results/${id}`, o),
 		lease: (json: unknown) => api("POST", `${base}/leases`, { ...o, json }),
 		renew: (id: string, json: unknown = {}) =>
