@@ -5,6 +5,7 @@
 import { env } from "cloudflare:workers";
 import { runDurableObjectAlarm, runInDurableObject } from "cloudflare:test";
 import { beforeAll, describe, expect, it } from "vitest";
+import type { EvictionLogPage } from "../../core/api.ts";
 import { advanceClock, now } from "../../core/clock.ts";
 import {
 	graphOf,
@@ -346,7 +347,9 @@ describe("budgets in a task graph", () => {
 		const paged: { seq: number }[] = [];
 		let after: number | null = 0;
 		while (after !== null) {
-			const page = (await t.evictions(`?after=${after}&limit=2`)).body;
+			const page: EvictionLogPage = (
+				await t.evictions(`?after=${after}&limit=2`)
+			).body;
 			expect(page.evictions.length).toBeLessThanOrEqual(2);
 			paged.push(...page.evictions);
 			after = page.next;
