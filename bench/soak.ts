@@ -3,7 +3,7 @@
  * several minutes against a real `wrangler dev`, with budgets so small that
  * eviction runs all the time and faults injected while it does; then a check
  * that every acknowledged record is either still retrievable with the same
- * output or accounted for by an eviction in its task's stats.
+ * output or named by its task's eviction log.
  *
  *     npx tsx bench/soak.ts [--minutes 4] [--tasks 24] [--quick]
  *
@@ -30,11 +30,14 @@
  * The check, after traffic stops and one more restart (so nothing is served
  * from an isolate's memory): every (task, id) acknowledged by a record
  * (`recorded` or `exists`) is read back with `GET results/:id`. Present with
- * the same output: fine. Absent: it may have been evicted, and eviction
- * removes whole subtrees and counts them in `evictions.node_budget`, so a
- * task's missing records must be at most that count. lost = missing records
- * no eviction accounts for + records read back with another output + records
- * that could not be read. The graph export is checked too: every node's
+ * the same output: fine. Absent: it may have been evicted, and then the
+ * task's eviction log (`GET evictions`) names it, one entry a node eviction
+ * removed. lost = missing records the log does not name + records read back
+ * with another output + records that could not be read. (Should a task's
+ * log have let old entries go, its missing records not named are held
+ * against the count it let go instead, and the report says so.) The log
+ * must also agree with the task's stats: as many node entries as
+ * `evictions.node_budget` counts. The graph export is checked too: every node's
  * parent is present, every snapshot a node claims can be downloaded with its
  * bytes intact. Violations seen while running (a hit with the wrong output,
  * a conflict, a leased snapshot that is gone) are kept with samples.
@@ -261,7 +264,8 @@ type OpKind =
 	| "release"
 	| "result"
 	| "stats"
-	| "graph";
+	| "graph"
+	| "evictions";
 
 const requests: Record<string, number> = {};
 /** Failed attempts by kind: `aborted by the soak`, `cut by a restart`, `409 stale_cursor`, ... */
@@ -1142,7 +1146,12 @@ interface TaskCheck {
 	nodeBudgetEvictions: number;
 	snapshotBudgetEvictions: number;
 	orphanEvictions: number;
+	/** Missing records the eviction log names. */
 	accounted: number;
+	/** Missing records the log does not name, held against its dropped entries. */
+	accountedByCount: number;
+	/** Entries the task's eviction log let go (0: the check is per record). */
+	logDropped: number;
 	lost: number;
 	nodes: number;
 	snapshots: number;
@@ -1183,6 +1192,30 @@ async function allNodes(task: string) {
 		after = g.value.next;
 	}
 	throw new Error(`graph ${task}: more than 1000 pages`);
+}
+
+/** A task's eviction log, whole: the ids eviction removed, and how many entries it let go. */
+async function evictedIds(
+	task: string,
+): Promise<{ nodes: Set<string>; nodeEntries: number; dropped: number }> {
+	const nodes = new Set<string>();
+	let nodeEntries = 0;
+	let after = 0;
+	for (let page = 0; page < 1000; page++) {
+		const g = await op("evictions", (c) =>
+			c.evictions(task, { after, limit: 1000 }),
+		);
+		if (!g.ok) throw new Error(`evictions ${task}: ${g.code} ${g.message}`);
+		for (const e of g.value.evictions)
+			if (e.reason === "node_budget") {
+				nodes.add(e.id);
+				nodeEntries++;
+			}
+		if (g.value.next === null)
+			return { nodes, nodeEntries, dropped: g.value.dropped };
+		after = g.value.next;
+	}
+	throw new Error(`evictions ${task}: more than 1000 pages`);
 }
 
 async function check(): Promise<{ tasks: TaskCheck[]; unchecked: number }> {
@@ -1238,6 +1271,8 @@ async function check(): Promise<{ tasks: TaskCheck[]; unchecked: number }> {
 			snapshotBudgetEvictions: ev.snapshot_budget?.count ?? 0,
 			orphanEvictions: ev.orphan?.count ?? 0,
 			accounted: 0,
+			accountedByCount: 0,
+			logDropped: 0,
 			lost: 0,
 			nodes: st.ok ? st.value.nodes : 0,
 			snapshots: st.ok ? st.value.snapshots : 0,
@@ -1254,8 +1289,31 @@ async function check(): Promise<{ tasks: TaskCheck[]; unchecked: number }> {
 			else if (s === "wrong") c.wrong++;
 			else if (s === "unreadable") c.unreadable++;
 		}
-		c.accounted = Math.min(c.missing, c.nodeBudgetEvictions);
-		c.lost = c.missing - c.accounted + c.wrong + c.unreadable;
+		if (st.ok) {
+			// After the reads and the stats, so every eviction that took a
+			// record before its read, and every one the stats count, is in it
+			// (an alarm may evict more meanwhile: the log may hold more).
+			const log = await evictedIds(task);
+			c.logDropped = log.dropped;
+			if (log.dropped === 0 && log.nodeEntries < c.nodeBudgetEvictions)
+				violation("the eviction log and the stats disagree", {
+					task,
+					logNodeEntries: log.nodeEntries,
+					statsNodeEvictions: c.nodeBudgetEvictions,
+				});
+			const unnamed: string[] = [];
+			for (const id of m.keys()) {
+				if (status.get(k(task, id)) !== "missing") continue;
+				if (log.nodes.has(id)) c.accounted++;
+				else unnamed.push(id);
+			}
+			c.accountedByCount = Math.min(unnamed.length, log.dropped);
+			if (log.dropped === 0)
+				for (const id of unnamed)
+					violation("a missing record that no eviction took", { task, id });
+		}
+		c.lost =
+			c.missing - c.accounted - c.accountedByCount + c.wrong + c.unreadable;
 
 		if (st.ok && now() < deadline) {
 			// The graph must agree with the results route, hang together, and
@@ -1403,6 +1461,8 @@ try {
 		present: total("present"),
 		missing: total("missing"),
 		evictedAccounted: total("accounted"),
+		evictedAccountedByCount: total("accountedByCount"),
+		tasksWithLogDropped: perTask.filter((t) => t.logDropped > 0).length,
 		wrong: total("wrong"),
 		unreadable: total("unreadable"),
 		lost: total("lost") + unchecked,
@@ -1477,7 +1537,11 @@ try {
 			`${figures.recordsChecked} of ${figures.uniqueRecords}`,
 		],
 		["  present, same output", String(figures.present)],
-		["  missing, accounted by evictions", String(figures.evictedAccounted)],
+		["  missing, named by the eviction log", String(figures.evictedAccounted)],
+		[
+			"  missing, held against a log's dropped entries",
+			`${figures.evictedAccountedByCount} (tasks whose log dropped entries: ${figures.tasksWithLogDropped})`,
+		],
 		["  wrong output / unreadable", `${figures.wrong} / ${figures.unreadable}`],
 		["LOST", String(figures.lost)],
 		[
