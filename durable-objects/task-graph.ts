@@ -1154,7 +1154,7 @@ export class TaskGraph extends DurableObject<Env> {
 		let nodeBytesFreed = 0;
 		this.ctx.storage.transactionSync(() => {
 			const snapshotKeys = new Set<string>();
-			for (const ids of chunks(dropSnapshots, 200)) {
+			for (const ids of chunks(dropSnapshots, SQL_IDS)) {
 				const rows = this.#db
 					.select({
 						id: nodes.id,
@@ -1177,7 +1177,7 @@ export class TaskGraph extends DurableObject<Env> {
 					.run();
 			}
 			const outputKeys = new Set<string>();
-			for (const ids of chunks(dropNodes, 200)) {
+			for (const ids of chunks(dropNodes, SQL_IDS)) {
 				const rows = this.#db
 					.select({
 						id: nodes.id,
@@ -1202,8 +1202,8 @@ export class TaskGraph extends DurableObject<Env> {
 			}
 			// A snapshot blob another node still points at stays, and so does
 			// whatever lease covers that node. (snapshot_key has no index: one
-			// scan per 200 keys, on eviction only.)
-			for (const keys of chunks([...snapshotKeys], 200)) {
+			// scan per SQL_IDS keys, on eviction only.)
+			for (const keys of chunks([...snapshotKeys], SQL_IDS)) {
 				for (const r of this.#db
 					.select({ key: nodes.snapshotKey })
 					.from(nodes)
@@ -1413,7 +1413,10 @@ export class TaskGraph extends DurableObject<Env> {
 			]) {
 				this.#db.delete(table).run();
 			}
-			this.#db.delete(meta).where(eq(meta.key, "budgets")).run();
+			this.#db
+				.delete(meta)
+				.where(inArray(meta.key, ["budgets", "eviction_log_dropped"]))
+				.run();
 		});
 		this.#pendingHits = [];
 		this.#pendingMisses = new Map();
@@ -1992,6 +1995,13 @@ export class TaskGraph extends DurableObject<Env> {
 
 /** A record's call was evicted between its blob pass and its transaction. */
 class EvictedMeanwhile extends Error {}
+
+/**
+ * Ids bound in one statement (`id in (?, ...)`): SQLite in a Durable Object
+ * takes at most 100 bound parameters a statement, and an update binds a few
+ * values of its own.
+ */
+const SQL_IDS = 90;
 
 function chunks<T>(items: T[], size: number): T[][] {
 	const out: T[][] = [];

@@ -134,6 +134,7 @@ const FILE_TASKS = [
 	"orphans",
 	"idle",
 	"evicted-idle",
+	"many",
 ];
 const stub = (task: string) =>
 	env.TASK_GRAPH.get(env.TASK_GRAPH.idFromName(`evict/${task}`));
@@ -328,6 +329,41 @@ describe("budgets in a task graph", () => {
 			expect(e).toMatchObject({ reason: "node_budget", tool: "bash" });
 			expect(e.at).toBeLessThanOrEqual(now());
 		}
+	});
+
+	it("evicts more nodes and snapshots in one pass than a statement binds ids", async () => {
+		// A Durable Object's SQLite takes 100 bound parameters a statement.
+		await setBudgets({ snapshots: 1000, nodes: 1000 });
+		const t = taskApi(keys.trainer, "many");
+		const calls = [];
+		let state = ROOT_ID;
+		for (let i = 0; i < 150; i++) {
+			const call = bash(`m${i}`);
+			state = stateAfter(call, state);
+			calls.push({
+				...run(call, "o", 1),
+				// The first 120 with a snapshot each.
+				...(i < 120
+					? { snapshot: await snapshotBlob("evict", "many", state, 10) }
+					: {}),
+			});
+		}
+		await t.record({ from: ROOT_ID, calls });
+		await runDurableObjectAlarm(stub("many"));
+		expect((await t.stats()).body.snapshots).toBe(120);
+		const none = await stub("many").enforce(
+			(await setBudgets({ snapshots: 0, nodes: 1000 })).body,
+		);
+		expect(none.snapshots).toBe(120);
+		const evicted = await stub("many").enforce(
+			(await setBudgets({ snapshots: 1000, nodes: 2 })).body,
+		);
+		expect(evicted.nodes).toBe(149);
+		const stats = (await t.stats()).body;
+		expect(stats).toMatchObject({ nodes: 2, snapshots: 0 });
+		const log = (await t.evictions("?limit=1000")).body;
+		// The test Worker's log keeps 6 rows; the rest are counted.
+		expect(log.evictions.length + log.dropped).toBe(120 + 149);
 	});
 
 	it("keeps a log of what eviction took, in pages, letting the oldest go past its size and counting them", async () => {
