@@ -564,42 +564,74 @@ export class WorkspaceSandbox implements Sandbox {
  * the sandbox at `dir` (`TRELLIS_WORKSPACE`, which children inherit across
  * `setsid`, `nohup` and double forks), by reading /proc; elsewhere than
  * Linux it finds none. The environment is the process's initial one, so a
- * job that replaced it (`env -i`) is not found. With `since`, only pids
- * from it up are read: Linux hands out pids in increasing order, so a
- * command's strays are there unless the pids wrapped meanwhile, and
- * `stop()`'s full sweep still finds those. Reading every process's
- * environment costs about 25 µs each here; the range keeps an exec's sweep
- * to the processes born since it began. Written here because no package
- * does it: tree-kill and its kin walk parent links, which a daemonized job
- * has cut.
+ * job that replaced it (`env -i`) is not found, nor one whose environment
+ * this user may not read (setuid). Each match is stopped (SIGSTOP) and
+ * /proc read again until a pass finds none new, then all are killed: a
+ * stray forking meanwhile leaves no child behind.
+ *
+ * With `since`, only pids from it up are read: Linux hands out pids in
+ * increasing order, so a command's strays are there, unless the pids
+ * wrapped meanwhile (the last pid handed out is then below `since`), when
+ * all are read. Reading a process's environment costs about 25 µs here;
+ * the range keeps an exec's sweep to the processes born since it began.
+ * Written here because no package does it: tree-kill and its kin walk
+ * parent links, which a daemonized job has cut.
  */
 export function killStrays(dir: string, since = 0): number {
 	const mark = Buffer.from(`TRELLIS_WORKSPACE=${dir}\0`);
+	let from = since;
+	try {
+		if (Number(readFileSync("/proc/sys/kernel/ns_last_pid", "utf8")) < since)
+			from = 0;
+	} catch {
+		from = 0;
+	}
+	const stopped = new Set<number>();
+	for (let pass = 0; pass < 20; pass++) {
+		let found = 0;
+		for (const pid of marked(mark, from)) {
+			if (stopped.has(pid)) continue;
+			try {
+				process.kill(pid, "SIGSTOP");
+				stopped.add(pid);
+				found++;
+			} catch {
+				// Gone meanwhile.
+			}
+		}
+		if (found === 0) break;
+	}
+	for (const pid of stopped) {
+		try {
+			process.kill(pid, "SIGKILL");
+		} catch {
+			// Gone meanwhile.
+		}
+	}
+	return stopped.size;
+}
+
+/** Pids from `from` up whose environment holds `mark`; none without /proc. */
+function marked(mark: Buffer, from: number): number[] {
 	let names: string[];
 	try {
 		names = readdirSync("/proc");
 	} catch {
-		return 0;
+		return [];
 	}
-	let killed = 0;
+	const out: number[] = [];
 	for (const name of names) {
 		const pid = Number(name);
-		if (!Number.isInteger(pid) || pid < since || pid === process.pid) continue;
+		if (!Number.isInteger(pid) || pid < from || pid === process.pid) continue;
 		let environ: Buffer;
 		try {
 			environ = readFileSync(`/proc/${pid}/environ`);
 		} catch {
 			continue; // gone, or another user's
 		}
-		if (!hasEntry(environ, mark)) continue;
-		try {
-			process.kill(pid, "SIGKILL");
-			killed++;
-		} catch {
-			// Gone meanwhile.
-		}
+		if (hasEntry(environ, mark)) out.push(pid);
 	}
-	return killed;
+	return out;
 }
 
 /** Whether a NUL-separated environment holds `entry` (which ends in NUL). */

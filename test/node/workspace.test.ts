@@ -3,7 +3,7 @@
  * tarballs, real bubblewrap. No cache is involved.
  */
 import { randomBytes } from "node:crypto";
-import { existsSync, readFileSync } from "node:fs";
+import { existsSync, readFileSync, readdirSync } from "node:fs";
 import { readFile, readdir } from "node:fs/promises";
 import { createServer, type AddressInfo } from "node:net";
 import path from "node:path";
@@ -36,6 +36,21 @@ function alive(pid: number): boolean {
 	} catch {
 		return false;
 	}
+}
+
+/** Live processes whose environment names the sandbox at `dir`. */
+function sandboxProcesses(dir: string): number[] {
+	const mark = `TRELLIS_WORKSPACE=${dir}\0`;
+	return readdirSync("/proc")
+		.map(Number)
+		.filter((pid) => {
+			if (!Number.isInteger(pid) || !alive(pid)) return false;
+			try {
+				return readFileSync(`/proc/${pid}/environ`, "latin1").includes(mark);
+			} catch {
+				return false;
+			}
+		});
 }
 
 /** Whether a process is gone within a second: a kill takes a moment to land. */
@@ -113,6 +128,24 @@ describe("WorkspaceSandbox", () => {
 				await readFile(path.join(sb.dir, "stray.pid"), "utf8"),
 			);
 			expect(await gone(pid)).toBe(true);
+		} finally {
+			await sb.stop();
+		}
+	}, 15_000);
+
+	it("leaves nothing of a stray that keeps forking", async () => {
+		// Killed one by one, such a job could start a child between the scan
+		// and the kill; stopped first, it cannot.
+		const sb = await started({ timeoutMs: 5000 });
+		try {
+			await sb.exec(
+				sh(
+					"setsid sh -c 'while :; do sleep 30 & done' >/dev/null 2>&1 & " +
+						"sleep 0.3",
+				),
+			);
+			await new Promise((r) => setTimeout(r, 200));
+			expect(sandboxProcesses(sb.dir)).toEqual([]);
 		} finally {
 			await sb.stop();
 		}
