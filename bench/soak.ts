@@ -32,11 +32,12 @@
  * (`recorded` or `exists`) is read back with `GET results/:id`. Present with
  * the same output: fine. Absent: it may have been evicted, and then the
  * task's eviction log (`GET evictions`) names it, one entry a node eviction
- * removed. lost = missing records the log does not name + records read back
+ * removed, with an eviction after the last record that acknowledged it was
+ * sent. lost = missing records the log does not name + records read back
  * with another output + records that could not be read. (Should a task's
  * log have let old entries go, its missing records not named are held
  * against the count it let go instead, and the report says so.) The log
- * must also agree with the task's stats: as many node entries as
+ * must also agree with the task's stats: at least as many node entries as
  * `evictions.node_budget` counts. The graph export is checked too: every node's
  * parent is present, every snapshot a node claims can be downloaded with its
  * bytes intact. Violations seen while running (a hit with the wrong output,
@@ -332,17 +333,29 @@ interface LedgerEntry {
 	sha: string;
 	parent: string;
 	ackedAt: number;
+	/**
+	 * When the last record that acknowledged it was first sent: an eviction
+	 * that accounts for it being gone must come after (see the check).
+	 */
+	sentAt: number;
 }
 const ledger = new Map<string, Map<string, LedgerEntry>>();
 
-function acknowledge(task: string, id: string, parent: string, output: string) {
+function acknowledge(
+	task: string,
+	id: string,
+	parent: string,
+	output: string,
+	sentAt: number,
+) {
 	let m = ledger.get(task);
 	if (!m) ledger.set(task, (m = new Map()));
 	const digest = sha(output);
 	const prior = m.get(id);
 	if (prior && prior.sha !== digest)
 		violation("two outputs acknowledged for one id", { task, id });
-	if (!prior) m.set(id, { sha: digest, parent, ackedAt: now() });
+	if (!prior) m.set(id, { sha: digest, parent, ackedAt: now(), sentAt });
+	else prior.sentAt = Math.max(prior.sentAt, sentAt);
 }
 
 // ------------------------------------------------------------- the stack
@@ -842,6 +855,8 @@ async function recordMiss(
 	let from = miss.resume;
 	let run = [...replay, { call, id }];
 	events.recordsSent++;
+	// Before every attempt: whichever committed, it was sent after this.
+	const sentAt = now();
 	let res = await op("record", (c) => c.record(ro.task, body(from, run)()));
 	if (!res.ok && res.code === "unknown_state") {
 		// `resume` was evicted between the lookup and the record: record the
@@ -893,7 +908,7 @@ async function recordMiss(
 		events.acks++;
 		if (x.status === "recorded") events.recorded++;
 		else events.exists++;
-		acknowledge(ro.task, x.id, want[i].state, outputOf(ro.task, x.id));
+		acknowledge(ro.task, x.id, want[i].state, outputOf(ro.task, x.id), sentAt);
 	}
 	return true;
 }
@@ -1195,10 +1210,13 @@ async function allNodes(task: string) {
 }
 
 /** A task's eviction log, whole: the ids eviction removed, and how many entries it let go. */
-async function evictedIds(
-	task: string,
-): Promise<{ nodes: Set<string>; nodeEntries: number; dropped: number }> {
-	const nodes = new Set<string>();
+async function evictedIds(task: string): Promise<{
+	nodes: Map<string, number>;
+	nodeEntries: number;
+	dropped: number;
+}> {
+	/** Each evicted node's last eviction time. */
+	const nodes = new Map<string, number>();
 	let nodeEntries = 0;
 	let after = 0;
 	for (let page = 0; page < 1000; page++) {
@@ -1208,7 +1226,7 @@ async function evictedIds(
 		if (!g.ok) throw new Error(`evictions ${task}: ${g.code} ${g.message}`);
 		for (const e of g.value.evictions)
 			if (e.reason === "node_budget") {
-				nodes.add(e.id);
+				nodes.set(e.id, Math.max(nodes.get(e.id) ?? 0, e.at));
 				nodeEntries++;
 			}
 		if (g.value.next === null)
@@ -1301,16 +1319,25 @@ async function check(): Promise<{ tasks: TaskCheck[]; unchecked: number }> {
 					logNodeEntries: log.nodeEntries,
 					statsNodeEvictions: c.nodeBudgetEvictions,
 				});
+			// Named, and evicted after its last record was sent (the server's
+			// clock and ours are this machine's; a second of slack for the
+			// runtime's clock, which stands still within a request).
 			const unnamed: string[] = [];
-			for (const id of m.keys()) {
+			for (const [id, e] of m) {
 				if (status.get(k(task, id)) !== "missing") continue;
-				if (log.nodes.has(id)) c.accounted++;
+				const at = log.nodes.get(id);
+				if (at !== undefined && at >= e.sentAt - 1000) c.accounted++;
 				else unnamed.push(id);
 			}
 			c.accountedByCount = Math.min(unnamed.length, log.dropped);
 			if (log.dropped === 0)
 				for (const id of unnamed)
-					violation("a missing record that no eviction took", { task, id });
+					violation("a missing record that no eviction took after it", {
+						task,
+						id,
+						sentAt: m.get(id)!.sentAt,
+						lastEvictedAt: log.nodes.get(id) ?? null,
+					});
 		}
 		c.lost =
 			c.missing - c.accounted - c.accountedByCount + c.wrong + c.unreadable;

@@ -143,7 +143,8 @@ describe("managed rollouts", () => {
 			expect(slow.snapshot).toBeNull();
 			expect((await client.stats(task)).snapshots).toBe(0);
 		} finally {
-			await putBudgets({ projectBytes: 1 << 30 });
+			// No overrides: the Worker's defaults again.
+			await putBudgets({});
 		}
 		// With no snapshot to restore, a later miss below it replays the call.
 		const b = await rollout(task);
