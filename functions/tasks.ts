@@ -360,6 +360,13 @@ tasks.delete("/:task/leases/:lease", task, trainer, async (c) => {
 	return c.json(unwrap(await graph(c).releaseLease(c.req.param("lease"))));
 });
 
+/** What a task graph read gave; 404 for a task that holds nothing (null). */
+function used<T>(read: T | null): T {
+	if (read === null)
+		throw apiError(404, "task_not_found", "this task has nothing recorded");
+	return read;
+}
+
 tasks.get(
 	"/:task/stats",
 	task,
@@ -367,10 +374,7 @@ tasks.get(
 	async (c) => {
 		const scope = c.get("scope");
 		await sendPending(graph(c), takePending(scope));
-		const stats = await graph(c).stats(scope);
-		if (stats === null)
-			throw apiError(404, "task_not_found", "this task has nothing recorded");
-		return c.json(stats);
+		return c.json(used(await graph(c).stats(scope)));
 	},
 );
 
@@ -381,10 +385,7 @@ tasks.get(
 	valid("query", EvictionLogQuery),
 	async (c) => {
 		const { after, limit } = c.req.valid("query");
-		const page = await graph(c).evictionLog(after ?? 0, limit);
-		if (page === null)
-			throw apiError(404, "task_not_found", "this task has nothing recorded");
-		return c.json(page);
+		return c.json(used(await graph(c).evictionLog(after ?? 0, limit)));
 	},
 );
 
@@ -395,9 +396,6 @@ tasks.get(
 	valid("query", GraphQuery),
 	async (c) => {
 		const { after, limit } = c.req.valid("query");
-		const page = await graph(c).graph(after ?? 0, limit);
-		if (page === null)
-			throw apiError(404, "task_not_found", "this task has nothing recorded");
-		return c.json(page);
+		return c.json(used(await graph(c).graph(after ?? 0, limit)));
 	},
 );
